@@ -1,0 +1,217 @@
+"""Key layout and value codec. No I/O.
+
+Layout: one key per engine, ``{root}/{namespace}/engines/{engine_id}``, default root
+``/inference/v1``, default namespace ``default``. The value is compact UTF-8 JSON:
+exactly ``InferenceEngineEndpoint.to_dict()`` plus optional top-level metadata
+(``engine_id``, ``labels``, ``registered_at``) that Megatron's ``from_dict`` ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+from ._endpoint import InferenceEngineEndpoint
+from ._errors import InvalidRecordError, RecordDecodeError
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "DEFAULT_ROOT",
+    "MAX_VALUE_BYTES",
+    "EngineRecord",
+    "KeySpace",
+]
+
+DEFAULT_ROOT = "/inference/v1"
+DEFAULT_NAMESPACE = "default"
+MAX_VALUE_BYTES = 16 * 1024
+"""Largest encoded value we write; a full record with a dozen labels is under 1 KiB."""
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
+_MAX_LABEL_VALUE = 256
+_MAX_LABELS = 64
+
+
+def _check_name(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRecordError(f"{what} must be a string, not {type(value).__name__}")
+    if not _NAME.fullmatch(value) or set(value) == {"."}:
+        raise InvalidRecordError(
+            f"{what} {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-' "
+            "(and not only dots)"
+        )
+    return value
+
+
+def validate_engine_id(engine_id: object) -> str:
+    """Return ``engine_id`` if it is key-safe, else raise InvalidRecordError."""
+    return _check_name(engine_id, "engine id")
+
+
+def validate_namespace(namespace: object) -> str:
+    """Return ``namespace`` if it is key-safe, else raise InvalidRecordError."""
+    return _check_name(namespace, "namespace")
+
+
+def validate_root(root: object) -> str:
+    """Return ``root`` if it is '/' followed by key-safe segments, else raise."""
+    if not isinstance(root, str) or not root.startswith("/") or root.endswith("/"):
+        raise InvalidRecordError(
+            f"root {root!r} must start with '/' and not end with '/', e.g. {DEFAULT_ROOT!r}"
+        )
+    for segment in root[1:].split("/"):
+        _check_name(segment, f"root segment of {root!r}")
+    return root
+
+
+def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
+    """Return a read-only copy of ``labels`` after checking keys, values and count."""
+    if labels is None:
+        return MappingProxyType({})
+    if not isinstance(labels, Mapping):
+        raise InvalidRecordError(f"labels must be a mapping, not {type(labels).__name__}")
+    if len(labels) > _MAX_LABELS:
+        raise InvalidRecordError(f"at most {_MAX_LABELS} labels are allowed, got {len(labels)}")
+    for key, value in labels.items():
+        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
+            raise InvalidRecordError(
+                f"label key {key!r} is not allowed: use 1-63 letters, digits, '.', '_', '/' or '-'"
+            )
+        if not isinstance(value, str):
+            raise InvalidRecordError(f"label {key!r} must be a string, not {type(value).__name__}")
+        if len(value) > _MAX_LABEL_VALUE or not value.isprintable():
+            raise InvalidRecordError(
+                f"label {key!r} must be printable and at most {_MAX_LABEL_VALUE} characters"
+            )
+    return MappingProxyType(dict(labels))
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The keys of one namespace: ``{root}/{namespace}/engines/{engine_id}``."""
+
+    root: str = DEFAULT_ROOT
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        """Validate root and namespace."""
+        validate_root(self.root)
+        validate_namespace(self.namespace)
+
+    @property
+    def prefix(self) -> str:
+        """The prefix every engine key of this namespace starts with."""
+        return f"{self.root}/{self.namespace}/engines/"
+
+    def key(self, engine_id: str) -> str:
+        """Return the key of ``engine_id``."""
+        return self.prefix + validate_engine_id(engine_id)
+
+    def engine_id(self, key: str) -> str:
+        """Return the engine id a key names, or raise RecordDecodeError."""
+        prefix = self.prefix
+        if not key.startswith(prefix):
+            raise RecordDecodeError(key, f"not under {prefix!r}")
+        try:
+            return validate_engine_id(key[len(prefix) :])
+        except InvalidRecordError as exc:
+            raise RecordDecodeError(key, str(exc)) from exc
+
+    def decode(self, key: bytes, value: bytes) -> EngineRecord:
+        """Decode one key/value pair read from etcd, or raise RecordDecodeError."""
+        text_key = key.decode("utf-8", "backslashreplace")
+        return decode(text_key, value, self.engine_id(text_key))
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """One engine as stored in etcd: its id, endpoint, labels and registration time."""
+
+    engine_id: str
+    endpoint: InferenceEngineEndpoint
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    registered_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        """Validate the metadata; the endpoint validates itself."""
+        validate_engine_id(self.engine_id)
+        if not isinstance(self.endpoint, InferenceEngineEndpoint):
+            raise InvalidRecordError("endpoint must be an InferenceEngineEndpoint")
+        object.__setattr__(self, "labels", validate_labels(self.labels))
+        if self.registered_at is not None and not isinstance(self.registered_at, datetime):
+            raise InvalidRecordError("registered_at must be a datetime")
+
+    def matches(self, selector: Mapping[str, str] | None) -> bool:
+        """Whether every ``key: value`` of ``selector`` is among this record's labels."""
+        return not selector or all(self.labels.get(k) == v for k, v in selector.items())
+
+    def to_value(self) -> dict[str, Any]:
+        """Return the JSON object stored in etcd: Megatron's ``to_dict()`` plus metadata."""
+        value = self.endpoint.to_dict()
+        value["engine_id"] = self.engine_id
+        if self.labels:
+            value["labels"] = dict(self.labels)
+        if self.registered_at is not None:
+            value["registered_at"] = _format_time(self.registered_at)
+        return value
+
+
+def encode(record: EngineRecord) -> bytes:
+    """Encode ``record`` as compact UTF-8 JSON, refusing values over MAX_VALUE_BYTES."""
+    data = json.dumps(record.to_value(), separators=(",", ":"), ensure_ascii=False).encode()
+    if len(data) > MAX_VALUE_BYTES:
+        raise InvalidRecordError(
+            f"encoded record for {record.engine_id!r} is {len(data)} bytes, over the "
+            f"{MAX_VALUE_BYTES}-byte limit; shorten its labels"
+        )
+    return data
+
+
+def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
+    """Decode the value stored at ``key`` for ``engine_id``, or raise RecordDecodeError."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordDecodeError(key, f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise RecordDecodeError(key, f"not JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise RecordDecodeError(key, f"a JSON {type(obj).__name__}, not an object")
+    try:
+        endpoint = InferenceEngineEndpoint.from_dict(obj)
+    except KeyError as exc:
+        raise RecordDecodeError(key, f"missing field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise RecordDecodeError(key, str(exc)) from exc
+    stored_id = obj.get("engine_id", engine_id)
+    if stored_id != engine_id:
+        raise RecordDecodeError(key, f"engine_id {stored_id!r} does not match the key")
+    try:
+        return EngineRecord(
+            engine_id=engine_id,
+            endpoint=endpoint,
+            labels=obj.get("labels") or {},
+            registered_at=_parse_time(obj.get("registered_at")),
+        )
+    except (InvalidRecordError, ValueError, TypeError) as exc:
+        raise RecordDecodeError(key, str(exc)) from exc
+
+
+def _format_time(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _parse_time(text: object) -> datetime | None:
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ValueError(f"registered_at must be an ISO 8601 string, not {type(text).__name__}")
+    return datetime.fromisoformat(text)

@@ -1,0 +1,498 @@
+"""The one place that builds etcd clients and decides how to use them.
+
+It knows nothing about engines. It owns:
+
+- building a python3-etcd3 ``MultiEndpointEtcd3Client`` with failover over every
+  configured member, TLS and authentication;
+- the retry policy (tenacity: jittered exponential backoff, bounded by a deadline);
+- translating every gRPC / etcd3 error into discovery's exceptions, at one boundary;
+- guarding the client's known defects:
+  * ``Endpoint.fail()`` benches a member for 300 s, even the only one: we build
+    endpoints with a cooldown of ``_FAILED_MEMBER_COOLDOWN`` seconds instead;
+  * gRPC's reconnect backoff grows to 120 s: capped at 1 s so a restarted member is
+    used again at once;
+  * its watch thread dies silently on a stream error (``NameError: six``), never resumes
+    after an error and delivers events one by one: we do not use it. ``WatchStream``
+    is a bidirectional Watch stream of our own on the client's channel, with a
+    watchdog that asks etcd for progress and cancels the stream when it stays silent;
+  * ``Lease.refresh()`` opens one stream per refresh: ``KeepAliveStream`` keeps one
+    stream for every lease of the connection;
+  * an expired auth token: the client is rebuilt (re-authenticating) and the call retried;
+  * prefix reads over gRPC's 4 MiB limit: ``list_prefix`` pages at one fixed revision.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import etcd3
+import etcd3.exceptions as etcd3_exc
+import grpc
+from etcd3 import etcdrpc
+from etcd3.utils import prefix_range_end
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from ._errors import (
+    ClosedError,
+    DiscoveryError,
+    EtcdError,
+    EtcdUnavailableError,
+    PermissionDeniedError,
+)
+from ._settings import Settings
+
+__all__ = ["Connection"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_FAILED_MEMBER_COOLDOWN = 1.0
+_PAGE_SIZE = 1000
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 32 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # etcd's default keepalive enforcement allows pings every 5 s on active streams.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+# Transient: a member is down, restarting, electing, or the network dropped a call.
+_TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+_TRANSIENT_ETCD3 = (
+    etcd3_exc.ConnectionFailedError,
+    etcd3_exc.ConnectionTimeoutError,
+    etcd3_exc.InternalServerError,
+    etcd3_exc.NoServerAvailableError,
+    etcd3_exc.WatchTimedOut,
+)
+_AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+class Compacted(EtcdError):
+    """Internal: the revision asked for has been compacted away."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"revision compacted (oldest available: {compact_revision})")
+        self.compact_revision = compact_revision
+
+
+class _TokenExpired(Exception):
+    """Internal: etcd no longer accepts our auth token; rebuild the client."""
+
+
+def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc`` (etcd3 raises its own types from inside ``except``)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, grpc.RpcError) and hasattr(seen, "code"):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line, secret-free description of a client error."""
+    rpc = _rpc_error(exc)
+    if rpc is not None:
+        details = rpc.details() or ""
+        return f"{rpc.code().name}: {details}".strip()
+    return f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the same call later may succeed."""
+    if isinstance(exc, _TokenExpired | _TRANSIENT_ETCD3):
+        return True
+    if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True  # python3-etcd3's Endpoint.use() on a benched member
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() in _TRANSIENT_CODES
+
+
+def translate(exc: BaseException, endpoints: tuple[str, ...] = ()) -> DiscoveryError:
+    """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``)."""
+    if isinstance(exc, DiscoveryError):
+        return exc
+    what = describe(exc)
+    rpc = _rpc_error(exc)
+    code = rpc.code() if rpc is not None else None
+    if code in _AUTH_CODES or "authentication failed" in what or "user name is empty" in what:
+        return PermissionDeniedError(f"etcd refused the request: {what}")
+    if isinstance(exc, _TokenExpired):
+        return PermissionDeniedError("etcd keeps rejecting the auth token")
+    if is_transient(exc):
+        where = ", ".join(endpoints) or "etcd"
+        return EtcdUnavailableError(f"etcd unavailable at {where}: {what}")
+    return EtcdError(f"etcd request failed: {what}")
+
+
+def _token_expired(exc: BaseException) -> bool:
+    rpc = _rpc_error(exc)
+    return rpc is not None and "invalid auth token" in (rpc.details() or "")
+
+
+def _compacted(exc: BaseException) -> bool:
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    if exc is not None:
+        log.warning(
+            "etcd call failed (attempt %d), retrying: %s", state.attempt_number, describe(exc)
+        )
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from etcd."""
+
+    key: bytes
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+class Connection:
+    """A failover etcd client with retries, error translation and defect guards.
+
+    Thread-safe: registrations, watchers and user threads share one Connection.
+    """
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        self._lock = threading.Lock()
+        self._client: etcd3.MultiEndpointEtcd3Client | None = None
+        self._closed = False
+        self._close_hooks: list[Callable[[], None]] = []
+
+    # -- client lifecycle -------------------------------------------------------------
+
+    def client(self) -> etcd3.MultiEndpointEtcd3Client:
+        """The current python3-etcd3 client, built (and authenticated) on first use."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("connection is closed")
+            if self._client is None:
+                self._client = self._build_client()
+            return self._client
+
+    def _build_client(self) -> etcd3.MultiEndpointEtcd3Client:
+        s = self.settings
+        creds = None
+        if s.secure:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(s.ca_cert),
+                private_key=_read(s.key),
+                certificate_chain=_read(s.cert),
+            )
+        members = []
+        for url in s.endpoints:
+            host, port = url.split("://", 1)[1].rsplit(":", 1)
+            members.append(
+                etcd3.Endpoint(
+                    host.strip("[]"),
+                    int(port),
+                    secure=s.secure,
+                    creds=creds,
+                    time_retry=_FAILED_MEMBER_COOLDOWN,
+                    opts=_GRPC_OPTIONS,
+                )
+            )
+        try:
+            # Authenticates at once when credentials are set; members are tried in turn.
+            return etcd3.MultiEndpointEtcd3Client(
+                endpoints=members,
+                timeout=s.request_timeout,
+                user=s.username,
+                password=s.password,
+                failover=True,
+            )
+        except BaseException:
+            for member in members:
+                member.close()
+            raise
+
+    def _reset_client(self, broken: etcd3.MultiEndpointEtcd3Client) -> None:
+        with self._lock:
+            if self._client is broken:
+                self._client = None
+        broken.close()
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when the connection closes, before its channels do."""
+        with self._lock:
+            self._close_hooks.append(hook)
+
+    def close(self) -> None:
+        """Close every channel. Streams opened on this connection end with an error."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self._closed
+
+    # -- calls --------------------------------------------------------------------------
+
+    def attempt(self, op: Callable[[etcd3.MultiEndpointEtcd3Client], T]) -> T:
+        """Run ``op`` once against the current client; raw client errors propagate.
+
+        An expired auth token rebuilds the client and surfaces as a transient error.
+        """
+        client = self.client()
+        try:
+            return op(client)
+        except Exception as exc:
+            if _token_expired(exc):
+                self._reset_client(client)
+                raise _TokenExpired() from exc
+            raise
+
+    def call(
+        self,
+        op: Callable[[etcd3.MultiEndpointEtcd3Client], T],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """Run ``op`` with retries of transient failures for up to ``timeout`` seconds.
+
+        The default timeout is ``settings.dial_timeout``. Raises a DiscoveryError.
+        """
+        retrying = Retrying(
+            retry=retry_if_exception(lambda e: is_transient(e) and not self._closed),
+            wait=wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1),
+            stop=stop_after_delay(self.settings.dial_timeout if timeout is None else timeout),
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        try:
+            return retrying(self.attempt, op)
+        except DiscoveryError:
+            raise
+        except Exception as exc:
+            raise translate(exc, self.settings.endpoints) from exc
+
+    def list_prefix(
+        self, prefix: str, *, page_size: int = _PAGE_SIZE
+    ) -> tuple[int, list[KeyValue]]:
+        """Read every key under ``prefix`` at one revision, in pages; return (revision, kvs).
+
+        If the revision is compacted between pages the whole read starts again.
+        """
+        retrying = Retrying(
+            retry=retry_if_exception_type(Compacted),
+            stop=stop_after_attempt(5),
+            reraise=True,
+        )
+        return retrying(self._list_once, prefix, page_size)
+
+    def _list_once(self, prefix: str, page_size: int) -> tuple[int, list[KeyValue]]:
+        start = prefix.encode()
+        end = prefix_range_end(start)
+        revision = 0
+        found: list[KeyValue] = []
+
+        def read_page(client: etcd3.MultiEndpointEtcd3Client, start: bytes) -> Any:
+            try:
+                return client.get_range_response(
+                    start, end, limit=page_size, revision=revision or None
+                )
+            except grpc.RpcError as exc:
+                if _compacted(exc):
+                    raise Compacted(0) from exc
+                raise
+
+        while True:
+            page = self.call(lambda c, start=start: read_page(c, start))
+            if not revision:
+                revision = page.header.revision
+            found.extend(
+                KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+                for kv in page.kvs
+            )
+            if not page.more or not page.kvs:
+                return revision, found
+            start = page.kvs[-1].key + b"\0"
+
+    # -- streams --------------------------------------------------------------------------
+
+    def open_watch(
+        self, prefix: str, start_revision: int, *, heartbeat: float = 5.0
+    ) -> WatchStream:
+        """Open a watch of ``prefix`` from ``start_revision`` (inclusive)."""
+        return self.attempt(lambda c: WatchStream(c, prefix, start_revision, heartbeat))
+
+    def open_keepalive(self) -> KeepAliveStream:
+        """Open one LeaseKeepAlive stream to refresh any number of leases."""
+        return self.attempt(KeepAliveStream)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+class _Stream:
+    """A bidirectional gRPC stream fed from a queue; cancel() ends it from any thread."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call: Any = None
+
+    def _request_iter(self) -> Iterator[Any]:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            yield request
+
+    def send(self, request: Any) -> None:
+        self._requests.put(request)
+
+    def cancel(self) -> None:
+        """End the stream; a reader blocked on it gets a CANCELLED error."""
+        self._requests.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
+
+class WatchStream(_Stream):
+    """One etcd Watch of a key prefix, guarded against silent death.
+
+    Iterate it for raw ``WatchResponse`` messages (all events of one revision arrive in
+    one response). A watchdog thread sends a progress request whenever the stream has
+    been quiet for ``heartbeat`` seconds and cancels it when nothing has arrived for two
+    heartbeats, so a dead stream always ends in an error instead of hanging.
+    """
+
+    def __init__(
+        self,
+        client: etcd3.MultiEndpointEtcd3Client,
+        prefix: str,
+        start_revision: int,
+        heartbeat: float,
+    ) -> None:
+        super().__init__()
+        key = prefix.encode()
+        create = etcdrpc.WatchCreateRequest(
+            key=key, range_end=prefix_range_end(key), start_revision=start_revision
+        )
+        self.send(etcdrpc.WatchRequest(create_request=create))
+        stub = etcdrpc.WatchStub(client.channel)
+        self._call = stub.Watch(
+            self._request_iter(),
+            credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
+        self._heartbeat = heartbeat
+        self._last_seen = time.monotonic()
+        self._stopped = threading.Event()
+        self.silent = False
+        self._watchdog = threading.Thread(
+            target=self._guard, name="discovery-watch-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    def _guard(self) -> None:
+        while not self._stopped.wait(self._heartbeat / 2):
+            quiet = time.monotonic() - self._last_seen
+            if quiet >= 2 * self._heartbeat:
+                log.warning("watch stream silent for %.1f s; reconnecting", quiet)
+                self.silent = True
+                self.cancel()
+                return
+            if quiet >= self._heartbeat:
+                self.send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield WatchResponses; raise Compacted, or the stream's error when it ends."""
+        try:
+            for response in self._call:
+                self._last_seen = time.monotonic()
+                if response.compact_revision:
+                    raise Compacted(response.compact_revision)
+                if response.canceled:
+                    raise EtcdError(f"etcd cancelled the watch: {response.cancel_reason}")
+                yield response
+                # Time spent by the consumer is not the stream's silence.
+                self._last_seen = time.monotonic()
+            raise EtcdUnavailableError("watch stream closed by etcd")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the stream and stop its watchdog."""
+        self._stopped.set()
+        self.cancel()
+
+
+class KeepAliveStream(_Stream):
+    """One LeaseKeepAlive stream: ``send_keepalive(id)``, iterate for (lease id, ttl)."""
+
+    def __init__(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
+        super().__init__()
+        stub = etcdrpc.LeaseStub(client.channel)
+        self._call = stub.LeaseKeepAlive(
+            self._request_iter(),
+            credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
+
+    def send_keepalive(self, lease_id: int) -> None:
+        """Ask etcd to renew ``lease_id``; the answer arrives through iteration."""
+        self.send(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """Yield (lease id, remaining TTL); TTL <= 0 means the lease no longer exists."""
+        try:
+            for response in self._call:
+                yield response.ID, response.TTL
+        finally:
+            self.cancel()

@@ -1,0 +1,169 @@
+"""``discovery demo``: engines come and go, the routing table follows.
+
+Starts an embedded etcd unless one is configured, registers a few simulated engines as
+separate ``discovery register`` processes, shows the live table, kills one engine hard
+(SIGKILL: removed when its lease expires) and stops one gracefully (SIGTERM: its lease is
+revoked at once), prints each removal's measured delay, and leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from ._cli import format_event, settings_from_args
+from ._routing import RoutingSnapshot, RoutingTable
+from ._settings import ENV_PREFIX, Settings
+from ._watcher import EndpointEvent, EventType
+
+_POLICIES = ("first_prefix_block", "longest_prefix", "load_balanced")
+_START_TIMEOUT = 30.0
+
+
+def _say(started: float, text: str) -> None:
+    print(f"[{time.monotonic() - started:6.2f}s] {text}", flush=True)
+
+
+@contextlib.contextmanager
+def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
+    configured = args.endpoints or os.environ.get(f"{ENV_PREFIX}ETCD_ENDPOINTS")
+    if configured:
+        settings = settings_from_args(args)
+        _say(started, f"using etcd at {', '.join(settings.endpoints)}")
+        yield settings
+        return
+    from .embedded import EtcdCluster  # noqa: PLC0415 - only the demo needs it
+
+    with EtcdCluster(1) as cluster:
+        _say(started, f"no etcd configured: started an embedded etcd at {cluster.endpoints[0]}")
+        yield dataclasses.replace(settings_from_args(args), endpoints=cluster.endpoints)
+
+
+def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
+    policy = _POLICIES[index % len(_POLICIES)]
+    return [
+        sys.executable, "-m", "discovery", "register",
+        "--engine-id", f"demo-engine-{index}",
+        "--coordinator-address", f"tcp://10.0.0.{index + 1}:5555",
+        "--context-length", "8192",
+        "--kv-cache-block-size", "256",
+        "--total-kv-blocks", str(4096 * (index + 1)),
+        "--max-num-seqs", str(64 * (index + 1)),
+        "--max-num-batched-tokens", "8192",
+        "--bos-token-id", "1",
+        "--enable-prefix-caching",
+        "--prefix-caching-coordinator-policy", policy,
+        "--label", "model=llama-3-8b",
+        "--label", f"role={'prefill' if index % 2 == 0 else 'decode'}",
+        "--ttl", str(ttl),
+        "--endpoints", ",".join(settings.endpoints),
+        "--root", settings.root,
+        "--namespace", settings.namespace,
+        "--log-level", "WARNING",
+    ]  # fmt: skip
+
+
+def _describe_table(snapshot: RoutingSnapshot) -> str:
+    names = ", ".join(sorted(snapshot)) or "(empty)"
+    return f"table @rev {snapshot.revision}: {len(snapshot)} engines: {names}"
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; returns the exit status."""
+    started = time.monotonic()
+    engines: list[subprocess.Popen[bytes]] = []
+    removed: dict[str, float] = {}
+    removed_cond = threading.Condition()
+    if args.namespace is None:
+        args.namespace = "demo"
+    with _etcd(args, started) as settings:
+        table = RoutingTable(settings=settings)
+
+        def show(events: tuple[EndpointEvent, ...], snapshot: RoutingSnapshot) -> None:
+            for event in events:
+                _say(started, format_event(event, "text"))
+                if event.type is EventType.REMOVED:
+                    with removed_cond:
+                        removed[event.engine_id] = time.monotonic()
+                        removed_cond.notify_all()
+            _say(started, "  " + _describe_table(snapshot))
+
+        table.subscribe(show)
+        try:
+            table.start()
+            _say(started, f"watching {table.watcher.prefix}; starting {args.engines} engines")
+            for index in range(args.engines):
+                engines.append(subprocess.Popen(_engine_command(index, settings, args.ttl)))
+            table.wait_until(lambda snap: len(snap) >= args.engines, timeout=_START_TIMEOUT)
+            _print_inspection(settings, started)
+            for index, sig in enumerate((signal.SIGKILL, signal.SIGTERM)[: len(engines)]):
+                _measure_removal(
+                    engines[index],
+                    engine_id=f"demo-engine-{index}",
+                    sig=sig,
+                    removed=removed,
+                    cond=removed_cond,
+                    started=started,
+                    ttl=args.ttl,
+                )
+        finally:
+            for process in engines:
+                if process.poll() is None:
+                    process.terminate()
+            for process in engines:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(10)
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            table.stop()
+    _say(started, "demo finished: engines, watcher and embedded etcd stopped; nothing left running")
+    return 0
+
+
+def _print_inspection(settings: Settings, started: float) -> None:
+    try:
+        from .embedded import find_binary  # noqa: PLC0415
+
+        etcdctl = find_binary("etcdctl")
+    except (ImportError, FileNotFoundError):
+        etcdctl = "etcdctl"
+    prefix = f"{settings.root}/{settings.namespace}/engines/"
+    command = [etcdctl, "--endpoints", ",".join(settings.endpoints), "get", "--prefix", prefix]
+    _say(started, "inspect the same keys with plain etcdctl (while the demo runs):")
+    print("    " + shlex.join(command), flush=True)
+
+
+def _measure_removal(
+    process: subprocess.Popen[bytes],
+    *,
+    engine_id: str,
+    sig: signal.Signals,
+    removed: dict[str, float],
+    cond: threading.Condition,
+    started: float,
+    ttl: float,
+) -> None:
+    how = (
+        "hard (no deregistration: the lease must expire)"
+        if sig == signal.SIGKILL
+        else ("gracefully (the engine revokes its lease)")
+    )
+    _say(started, f"sending {sig.name} to {engine_id}: {how}")
+    sent = time.monotonic()
+    process.send_signal(sig)
+    with cond:
+        if not cond.wait_for(lambda: engine_id in removed, timeout=ttl + 10):
+            raise TimeoutError(f"{engine_id} was not removed within {ttl + 10} s")
+    delay = removed[engine_id] - sent
+    _say(started, f"{engine_id} removed {delay:.3f} s after {sig.name} (lease TTL {ttl:g} s)")
+    process.wait(10)

@@ -1,0 +1,205 @@
+"""Megatron-Core compatible engine records.
+
+Field names, order, defaults, validation and exception types follow
+``megatron.core.inference.engine_endpoint`` exactly, so a value written by either
+side loads on the other. This module knows nothing about etcd.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+__all__ = [
+    "InferenceEngineCapabilities",
+    "InferenceEngineEndpoint",
+    "PrefixCachingCoordinatorPolicy",
+]
+
+
+class PrefixCachingCoordinatorPolicy(enum.StrEnum):
+    """How a router should place requests on the ranks of a prefix-caching engine."""
+
+    LONGEST_PREFIX = "longest_prefix"
+    """Route to the rank with the longest consecutive prefix match."""
+    FIRST_PREFIX_BLOCK = "first_prefix_block"
+    """Route to the rank that has the first block hash cached (Megatron's default)."""
+    LOAD_BALANCED = "load_balanced"
+    """Route to the rank with the fewest in-flight requests, ignoring prefix affinity."""
+
+
+class DynamicEngineLike(Protocol):
+    """The attributes of Megatron's ``DynamicInferenceEngine`` that ``from_engine`` reads."""
+
+    context: Any
+    controller: Any
+
+
+_INTEGER_FIELDS = (
+    "context_length",
+    "kv_cache_block_size",
+    "total_kv_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "bos_token_id",
+    "logical_data_parallel_size",
+)
+_POSITIVE_FIELDS = (
+    "context_length",
+    "kv_cache_block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "logical_data_parallel_size",
+)
+_BOS_ATTRIBUTES = ("bos", "bos_token_id", "eod")
+
+
+def _require_mapping(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a mapping, not {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class InferenceEngineCapabilities:
+    """Static capabilities needed by an external inference control plane."""
+
+    context_length: int
+    kv_cache_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    bos_token_id: int
+    enable_prefix_caching: bool
+    logical_data_parallel_size: int = 1
+    prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy | None = None
+    """Routing policy for client-side hashing; None supports older endpoint records."""
+
+    def __post_init__(self) -> None:
+        """Validate types first, then ranges, with Megatron's exception types."""
+        for name in _INTEGER_FIELDS:
+            value = getattr(self, name)
+            # bool is an int subclass; Megatron rejects it, and so do we.
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError("enable_prefix_caching must be a boolean")
+        policy = self.prefix_caching_coordinator_policy
+        if policy is not None and not isinstance(policy, PrefixCachingCoordinatorPolicy):
+            raise TypeError("prefix_caching_coordinator_policy must be a routing policy")
+        for name in _POSITIVE_FIELDS:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.total_kv_blocks < 0:
+            raise ValueError("total_kv_blocks must be non-negative")
+
+    @classmethod
+    def from_engine(
+        cls, engine: DynamicEngineLike, *, logical_data_parallel_size: int = 1
+    ) -> InferenceEngineCapabilities:
+        """Inspect a constructed dynamic engine once at registration time."""
+        context = engine.context
+        tokenizer = engine.controller.tokenizer
+        bos_token_id = 0
+        for name in _BOS_ATTRIBUTES:
+            value = getattr(tokenizer, name, None)
+            if value is not None:
+                bos_token_id = int(value)
+                break
+        return cls(
+            context_length=int(context.max_sequence_length),
+            kv_cache_block_size=int(context.block_size_tokens),
+            # Block zero is the allocator's root and holds no request KV.
+            total_kv_blocks=max(0, int(context.kv_block_allocator.pool_size) - 1),
+            max_num_seqs=int(context.max_requests),
+            max_num_batched_tokens=int(context.max_tokens),
+            bos_token_id=bos_token_id,
+            enable_prefix_caching=bool(context.enable_prefix_caching),
+            logical_data_parallel_size=int(logical_data_parallel_size),
+            prefix_caching_coordinator_policy=_engine_policy(context),
+        )
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> InferenceEngineCapabilities:
+        """Deserialize a capabilities mapping received across a process boundary."""
+        value = _require_mapping(value, "capabilities")
+        policy = value.get("prefix_caching_coordinator_policy")
+        return cls(
+            context_length=value["context_length"],
+            kv_cache_block_size=value["kv_cache_block_size"],
+            total_kv_blocks=value["total_kv_blocks"],
+            max_num_seqs=value["max_num_seqs"],
+            max_num_batched_tokens=value["max_num_batched_tokens"],
+            bos_token_id=value["bos_token_id"],
+            enable_prefix_caching=value["enable_prefix_caching"],
+            logical_data_parallel_size=value.get("logical_data_parallel_size", 1),
+            prefix_caching_coordinator_policy=_parse_policy(policy),
+        )
+
+    def to_dict(self) -> dict[str, int | bool | str | None]:
+        """Return a serialization-friendly representation."""
+        return asdict(self)
+
+
+def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
+    # An unknown value, of any type, raises ValueError from the enum lookup.
+    return None if policy is None else PrefixCachingCoordinatorPolicy(policy)
+
+
+def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | None:
+    policy = context.config.prefix_caching_coordinator_policy
+    if policy is None or isinstance(policy, PrefixCachingCoordinatorPolicy):
+        return policy
+    # Megatron's own enum member: same values, a different class.
+    return PrefixCachingCoordinatorPolicy(getattr(policy, "value", policy))
+
+
+@dataclass(frozen=True)
+class InferenceEngineEndpoint:
+    """Address and capabilities of an already-running inference engine."""
+
+    coordinator_address: str
+    capabilities: InferenceEngineCapabilities
+
+    def __post_init__(self) -> None:
+        """Validate with Megatron's exception types."""
+        if not isinstance(self.coordinator_address, str):
+            raise TypeError("coordinator_address must be a string")
+        if not self.coordinator_address:
+            raise ValueError("coordinator_address must be non-empty")
+        if not isinstance(self.capabilities, InferenceEngineCapabilities):
+            raise TypeError("capabilities must be InferenceEngineCapabilities")
+
+    @classmethod
+    def from_engine(
+        cls,
+        coordinator_address: str,
+        engine: DynamicEngineLike,
+        *,
+        logical_data_parallel_size: int = 1,
+    ) -> InferenceEngineEndpoint:
+        """Describe a running engine without transferring ownership of it."""
+        return cls(
+            coordinator_address=coordinator_address,
+            capabilities=InferenceEngineCapabilities.from_engine(
+                engine, logical_data_parallel_size=logical_data_parallel_size
+            ),
+        )
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> InferenceEngineEndpoint:
+        """Deserialize an endpoint received across a process boundary."""
+        value = _require_mapping(value, "endpoint")
+        capabilities = value["capabilities"]
+        if not isinstance(capabilities, Mapping):
+            raise TypeError("capabilities must be a mapping")
+        return cls(
+            coordinator_address=value["coordinator_address"],
+            capabilities=InferenceEngineCapabilities.from_dict(capabilities),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a serialization-friendly representation."""
+        return asdict(self)

@@ -1,0 +1,81 @@
+"""Exceptions raised by discovery, grouped by cause.
+
+    DiscoveryError
+    ├── ConfigurationError (ValueError)     bad settings: URL, TLS files, timeouts
+    ├── InvalidRecordError (ValueError)     bad endpoint, engine id, namespace, labels, size
+    │   └── RecordDecodeError               a stored value that cannot be decoded (names the key)
+    ├── EtcdError                           etcd answered with, or failed by, a runtime error
+    │   ├── EtcdUnavailableError            no member reachable / timed out after retries
+    │   ├── PermissionDeniedError           authentication failed or the role lacks permission
+    │   └── EngineConflictError             the engine id is held by another live lease
+    └── ClosedError (RuntimeError)          misuse: an object used after close()/stop()
+
+Record validation itself keeps Megatron-Core's types (``TypeError``/``ValueError``/
+``KeyError``) so code written against Megatron's module behaves the same here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClosedError",
+    "ConfigurationError",
+    "DiscoveryError",
+    "EngineConflictError",
+    "EtcdError",
+    "EtcdUnavailableError",
+    "InvalidRecordError",
+    "PermissionDeniedError",
+    "RecordDecodeError",
+]
+
+
+class DiscoveryError(Exception):
+    """Root of every exception raised by discovery itself."""
+
+
+class ConfigurationError(DiscoveryError, ValueError):
+    """A setting is missing, malformed or points at a file that does not exist."""
+
+
+class InvalidRecordError(DiscoveryError, ValueError):
+    """An endpoint, engine id, namespace, label or value is not acceptable."""
+
+
+class RecordDecodeError(InvalidRecordError):
+    """A value stored in etcd could not be decoded into an engine record."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"cannot decode value at {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class EtcdError(DiscoveryError):
+    """etcd refused a request or could not be reached."""
+
+
+class EtcdUnavailableError(EtcdError):
+    """No etcd member answered in time, after retries."""
+
+
+class PermissionDeniedError(EtcdError):
+    """Authentication failed, or the user's role does not allow the request."""
+
+
+class EngineConflictError(EtcdError):
+    """Another live lease holds the engine id."""
+
+    def __init__(self, engine_id: str, key: str, lease_id: int, remaining_ttl: int) -> None:
+        super().__init__(
+            f"engine id {engine_id!r} is already registered at {key!r} by lease "
+            f"{lease_id:x} (remaining TTL {remaining_ttl} s); choose another id, or "
+            "pass replace=True to take it over"
+        )
+        self.engine_id = engine_id
+        self.key = key
+        self.lease_id = lease_id
+        self.remaining_ttl = remaining_ttl
+
+
+class ClosedError(DiscoveryError, RuntimeError):
+    """The object was used after it was closed or stopped."""

@@ -1,0 +1,180 @@
+"""The live routing table: engine id -> record, fed by an EndpointWatcher.
+
+Reads never touch etcd. Each watcher batch (one etcd revision, or one snapshot diff) is
+applied under the table's lock at once, so a reader never sees half a revision.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
+
+from ._codec import EngineRecord
+from ._connection import Connection
+from ._dispatch import Dispatcher
+from ._settings import Settings
+from ._watcher import EndpointEvent, EndpointWatcher, EventType
+
+__all__ = ["RoutingSnapshot", "RoutingTable"]
+
+
+class RoutingSnapshot(Mapping[str, EngineRecord]):
+    """An immutable view of the table: engine id -> record, at ``revision``."""
+
+    __slots__ = ("_records", "revision")
+
+    def __init__(self, records: Mapping[str, EngineRecord], revision: int) -> None:
+        self._records = MappingProxyType(dict(records))
+        self.revision = revision
+
+    def __getitem__(self, engine_id: str) -> EngineRecord:
+        return self._records[engine_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"<RoutingSnapshot revision={self.revision} engines={sorted(self._records)}>"
+
+
+TableListener = Callable[[tuple[EndpointEvent, ...], RoutingSnapshot], None]
+
+
+class RoutingTable:
+    """A live, thread-safe mapping of engine id -> EngineRecord.
+
+    Give it a watcher to share one, or let it build its own from ``settings`` /
+    ``namespace`` / ``selector`` / ``connection`` (then ``start()``/``stop()`` drive it).
+    """
+
+    def __init__(
+        self,
+        watcher: EndpointWatcher | None = None,
+        *,
+        settings: Settings | None = None,
+        namespace: str | None = None,
+        selector: Mapping[str, str] | None = None,
+        connection: Connection | None = None,
+    ) -> None:
+        self._owns_watcher = watcher is None
+        self.watcher = watcher or EndpointWatcher(
+            settings, namespace=namespace, selector=selector, connection=connection
+        )
+        self._cond = threading.Condition()
+        self._records: dict[str, EngineRecord] = {}
+        self._revision = 0
+        self._snapshot: RoutingSnapshot | None = None
+        self._listeners: list[TableListener] = []
+        self._dispatcher = Dispatcher("discovery-table-events")
+        self._remove_sink: Callable[[], None] | None = None
+
+    def start(self, *, wait: bool = True) -> RoutingTable:
+        """Attach to the watcher (starting it if the table owns it)."""
+        if self._remove_sink is None:
+            self._remove_sink = self.watcher.add_sink(self)
+        if self._owns_watcher:
+            self.watcher.start(wait=wait)
+        return self
+
+    def stop(self) -> None:
+        """Detach from the watcher (stopping it if the table owns it). Idempotent."""
+        if self._remove_sink is not None:
+            self._remove_sink()
+        if self._owns_watcher:
+            self.watcher.stop()
+        self._dispatcher.stop()
+
+    def __enter__(self) -> RoutingTable:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- fed by the watcher (its sink protocol) ----------------------------------------
+
+    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None:
+        """Apply one batch atomically, then notify waiters and listeners."""
+        with self._cond:
+            for event in batch:
+                if event.type is EventType.REMOVED:
+                    self._records.pop(event.engine_id, None)
+                else:
+                    self._records[event.engine_id] = event.record
+            self._revision = max(self._revision, batch[-1].revision)
+            self._snapshot = None
+            listeners = list(self._listeners)
+            self._cond.notify_all()
+        if listeners:
+            snapshot = self.snapshot()
+            for listener in listeners:
+                self._dispatcher.submit(listener, batch, snapshot)
+
+    def close(self) -> None:
+        """The watcher stopped: wake every waiter."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- reads -------------------------------------------------------------------------
+
+    def snapshot(self) -> RoutingSnapshot:
+        """An immutable view of every engine and the revision it reflects."""
+        with self._cond:
+            if self._snapshot is None:
+                self._snapshot = RoutingSnapshot(self._records, self._revision)
+            return self._snapshot
+
+    def get(self, engine_id: str) -> EngineRecord | None:
+        """The record of ``engine_id``, or None."""
+        with self._cond:
+            return self._records.get(engine_id)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._records)
+
+    def __contains__(self, engine_id: object) -> bool:
+        with self._cond:
+            return engine_id in self._records
+
+    @property
+    def revision(self) -> int:
+        """The etcd revision the table reflects."""
+        return self._revision
+
+    def wait_until(
+        self, predicate: Callable[[RoutingSnapshot], bool], timeout: float | None = None
+    ) -> RoutingSnapshot:
+        """Block until ``predicate(snapshot)`` holds; return that snapshot.
+
+        Raises TimeoutError when it does not hold within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                snapshot = self.snapshot()
+                if predicate(snapshot):
+                    return snapshot
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"routing table condition not met within {timeout} s")
+                self._cond.wait(remaining)
+
+    def subscribe(self, listener: TableListener) -> Callable[[], None]:
+        """Call ``listener(events, snapshot)`` after each applied batch; returns unsubscribe.
+
+        Listeners run in order on a background thread, outside the table's lock.
+        """
+        with self._cond:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._cond:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe

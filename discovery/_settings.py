@@ -1,0 +1,194 @@
+"""Connection settings: from keyword arguments or ``DISCOVERY_*`` environment variables.
+
+Building a Settings object checks everything that can be checked without a network:
+URLs, TLS files, credential pairs, timeouts. It never opens a connection.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, KeySpace
+from ._errors import ConfigurationError, InvalidRecordError
+
+__all__ = ["ENV_PREFIX", "Settings"]
+
+ENV_PREFIX = "DISCOVERY_"
+DEFAULT_ENDPOINT = "http://127.0.0.1:2379"
+
+# Settings field -> environment variable (after ENV_PREFIX).
+_ENV_NAMES = {
+    "endpoints": "ETCD_ENDPOINTS",
+    "root": "ROOT",
+    "namespace": "NAMESPACE",
+    "dial_timeout": "DIAL_TIMEOUT",
+    "request_timeout": "REQUEST_TIMEOUT",
+    "ca_cert": "ETCD_CA_CERT",
+    "cert": "ETCD_CERT",
+    "key": "ETCD_KEY",
+    "username": "ETCD_USERNAME",
+    "password": "ETCD_PASSWORD",
+}
+_PASSWORD_FILE_ENV = "ETCD_PASSWORD_FILE"
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Settings:
+    """Where etcd is, how to reach it, and which part of its keyspace is ours.
+
+    ``endpoints`` accepts ``http://host:port``, ``https://host:port`` or ``host:port``
+    (http), as a sequence or one comma-separated string. ``https`` endpoints use TLS,
+    verified against ``ca_cert`` (system roots when it is None); ``cert``/``key`` add a
+    client certificate. ``dial_timeout`` bounds how long a one-shot call keeps retrying
+    an unreachable cluster; ``request_timeout`` bounds each RPC.
+    """
+
+    endpoints: Sequence[str] = (DEFAULT_ENDPOINT,)
+    root: str = DEFAULT_ROOT
+    namespace: str = DEFAULT_NAMESPACE
+    dial_timeout: float = 5.0
+    request_timeout: float = 5.0
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    username: str | None = None
+    password: str | None = None
+
+    def __post_init__(self) -> None:
+        """Normalise and check every field; raise ConfigurationError on the first problem."""
+        endpoints = self.endpoints
+        if isinstance(endpoints, str):
+            endpoints = endpoints.split(",")
+        normalised = tuple(_parse_endpoint(e) for e in endpoints if e.strip())
+        if not normalised:
+            raise ConfigurationError("endpoints: at least one etcd endpoint is required")
+        object.__setattr__(self, "endpoints", normalised)
+        secure = {url.startswith("https://") for url in normalised}
+        if len(secure) > 1:
+            raise ConfigurationError("endpoints: mix of http:// and https:// endpoints")
+        try:
+            KeySpace(self.root, self.namespace)
+        except InvalidRecordError as exc:
+            raise ConfigurationError(str(exc)) from exc
+        for name in ("dial_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigurationError(f"{name} must be a positive number of seconds")
+            object.__setattr__(self, name, float(value))
+        self._check_tls(tls=secure == {True})
+        if (self.username is None) != (self.password is None):
+            raise ConfigurationError("username and password must be given together")
+        if self.username == "":
+            raise ConfigurationError("username must not be empty")
+
+    def _check_tls(self, *, tls: bool) -> None:
+        for name in ("ca_cert", "cert", "key"):
+            path = getattr(self, name)
+            if path is None:
+                continue
+            if not tls:
+                raise ConfigurationError(
+                    f"{name} is set but the endpoints use http://; use https://"
+                )
+            if not os.path.isfile(path):
+                raise ConfigurationError(f"{name}: file {path!r} does not exist")
+        if (self.cert is None) != (self.key is None):
+            raise ConfigurationError("cert and key must be given together (client certificate)")
+
+    @property
+    def secure(self) -> bool:
+        """Whether the endpoints use TLS."""
+        return self.endpoints[0].startswith("https://")
+
+    @property
+    def keyspace(self) -> KeySpace:
+        """The key layout for this root and namespace."""
+        return KeySpace(self.root, self.namespace)
+
+    def with_namespace(self, namespace: str) -> Settings:
+        """Return a copy of these settings for another namespace."""
+        return replace(self, namespace=namespace)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``DISCOVERY_*`` variables; keyword arguments win over them.
+
+        ``DISCOVERY_ETCD_PASSWORD_FILE`` names a file holding the password (a mounted
+        secret), as an alternative to ``DISCOVERY_ETCD_PASSWORD``.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, suffix in _ENV_NAMES.items():
+            raw = env.get(ENV_PREFIX + suffix)
+            if raw is None or raw == "":
+                continue
+            values[name] = _parse_env_number(suffix, raw) if name.endswith("timeout") else raw
+        password_file = env.get(ENV_PREFIX + _PASSWORD_FILE_ENV)
+        if password_file and "password" not in values:
+            values["password"] = _read_secret(password_file)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def __repr__(self) -> str:
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "password" and value is not None:
+                value = "***"
+            parts.append(f"{f.name}={value!r}")
+        return f"Settings({', '.join(parts)})"
+
+
+def env_names() -> dict[str, str]:
+    """Every environment variable Settings.from_env reads, by settings field."""
+    names = {field: ENV_PREFIX + suffix for field, suffix in _ENV_NAMES.items()}
+    names["password_file"] = ENV_PREFIX + _PASSWORD_FILE_ENV
+    return names
+
+
+def _parse_endpoint(text: str) -> str:
+    raw = text.strip()
+    raw = raw if "://" in raw else f"http://{raw}"
+    # Never echo credentials someone put in a URL.
+    shown = repr(re.sub(r"//[^/@]*@", "//***@", raw))
+    try:
+        parts = urlsplit(raw)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"endpoint {shown} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ConfigurationError(f"endpoint {shown}: scheme must be http or https")
+    if not parts.hostname:
+        raise ConfigurationError(f"endpoint {shown} has no host")
+    if parts.username is not None:
+        raise ConfigurationError(
+            f"endpoint {shown}: credentials do not belong in the URL; use username/password"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigurationError(f"endpoint {shown}: only scheme://host:port is allowed")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port or 2379}"
+
+
+def _parse_env_number(suffix: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"{ENV_PREFIX}{suffix}={raw!r} is not a number of seconds"
+        ) from None
+
+
+def _read_secret(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"{ENV_PREFIX}{_PASSWORD_FILE_ENV}: cannot read {path!r} ({exc.strerror})"
+        ) from None

@@ -1,0 +1,520 @@
+"""List-then-watch of one namespace's engine keys into ordered, typed events.
+
+The informer pattern, adapted to etcd. What a consumer may rely on:
+
+* **Snapshot first.** The prefix is read at one revision R (paged, every page at R) and
+  each valid record is delivered as ``added`` in one batch; the watch then starts at
+  R + 1, so nothing written between the read and the watch is lost.
+* **Order.** Batches arrive in revision order. A batch holds the events of one etcd
+  revision (or of one snapshot) and is applied to a RoutingTable atomically.
+  ``event.revision`` is the revision of the change, or R for events of a snapshot.
+* **Exactly once across reconnects.** After a stream error, an etcd restart, a member
+  failover or a stream that went silent (a watchdog asks etcd for progress and cancels a
+  quiet stream), the watch resumes from the last applied revision + 1 with jittered
+  exponential backoff. Nothing is missed and nothing is delivered twice; a put whose
+  mod revision is not newer than the cached one is ignored.
+* **Compaction.** If the resume revision has been compacted, the prefix is listed again
+  and exactly the difference from the cache is delivered (``added`` / ``updated`` /
+  ``removed``, including deletions that happened while disconnected).
+* **Bad values.** A value that does not decode is skipped with a warning naming the key
+  and counted in ``health().skipped``. If its key was live, that engine is ``removed``
+  (its record can no longer be trusted); if the key later holds a valid record it is
+  ``added``; deleting a never-valid key delivers nothing. The same holds for records
+  that stop (or start) matching the label selector.
+* **Removed events** carry the last known record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+
+from ._codec import EngineRecord, KeySpace
+from ._connection import Compacted, Connection, WatchStream, describe, is_transient, translate
+from ._dispatch import Dispatcher
+from ._endpoint import InferenceEngineEndpoint
+from ._errors import ClosedError, EtcdUnavailableError, RecordDecodeError
+from ._settings import Settings
+
+__all__ = ["EndpointEvent", "EndpointWatcher", "EventType", "WatcherHealth", "WatcherState"]
+
+log = logging.getLogger(__name__)
+
+_PUT = 0  # etcd mvccpb.Event.EventType
+_HEALTHY_AFTER = 10.0  # a stream that lived this long restarts the backoff from scratch
+
+
+class EventType(enum.StrEnum):
+    """What happened to an engine."""
+
+    ADDED = "added"
+    UPDATED = "updated"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointEvent:
+    """One change to the set of live engines."""
+
+    type: EventType
+    key: str
+    revision: int
+    record: EngineRecord
+    """The new record; for ``removed``, the last known one."""
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's id."""
+        return self.record.engine_id
+
+    @property
+    def endpoint(self) -> InferenceEngineEndpoint:
+        """The engine's endpoint (for ``removed``, the last known one)."""
+        return self.record.endpoint
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """The engine's labels."""
+        return self.record.labels
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-lines form: type, engine_id, key, revision, endpoint, labels."""
+        return {
+            "type": self.type.value,
+            "engine_id": self.engine_id,
+            "key": self.key,
+            "revision": self.revision,
+            "endpoint": self.endpoint.to_dict(),
+            "labels": dict(self.labels),
+        }
+
+
+class WatcherState(enum.StrEnum):
+    """Connection state of a watcher."""
+
+    STARTING = "starting"
+    CONNECTED = "connected"
+    RECONNECTING = "reconnecting"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class WatcherHealth:
+    """A point-in-time view of a watcher, for health endpoints."""
+
+    state: WatcherState
+    revision: int
+    """The etcd revision the delivered events reflect."""
+    last_error: str | None
+    last_success: datetime | None
+    """When a response last arrived from etcd."""
+    reconnects: int
+    relists: int
+    skipped: int
+    """Values under the prefix that could not be decoded."""
+    engines: int
+
+
+class _Sink(Protocol):
+    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Entry:
+    record: EngineRecord
+    mod_revision: int
+
+
+class _Resume(Exception):
+    """Internal: a healthy stream ended; reconnect with a fresh backoff."""
+
+
+class EndpointWatcher:
+    """Streams typed events for the engines of one namespace (see module docs).
+
+    Consume it as a blocking iterator (``for event in watcher``), as an async iterator
+    (``async for event in watcher``), or with ``subscribe(callback)``. Each consumer
+    first gets the current engines as ``added`` events, then every change. ``start()``
+    and ``stop()`` are explicit and idempotent; ``stop()`` ends every iterator and
+    leaves no thread or stream behind.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        namespace: str | None = None,
+        selector: Mapping[str, str] | None = None,
+        connection: Connection | None = None,
+        heartbeat: float = 5.0,
+    ) -> None:
+        self._owns_connection = connection is None
+        if connection is None:
+            settings = settings if settings is not None else Settings.from_env()
+            if namespace is not None:
+                settings = settings.with_namespace(namespace)
+            connection = Connection(settings)
+        self._conn = connection
+        self._keyspace = (
+            connection.settings.keyspace
+            if namespace is None
+            else KeySpace(connection.settings.root, namespace)
+        )
+        self.prefix = self._keyspace.prefix
+        self.selector = MappingProxyType(dict(selector or {}))
+        self._heartbeat = heartbeat
+        self._lock = threading.Lock()
+        self._cache: dict[str, _Entry] = {}
+        self._revision = 0
+        self._listed = threading.Event()
+        self._needs_list = True
+        self._sinks: list[_Sink] = []
+        self._dispatcher = Dispatcher("discovery-watch-events")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stream: WatchStream | None = None
+        self._state = WatcherState.STARTING
+        self._last_error: str | None = None
+        self._last_exc: BaseException | None = None
+        self._last_success: datetime | None = None
+        self._reconnects = 0
+        self._relists = 0
+        self._skipped = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, *, wait: bool = True) -> EndpointWatcher:
+        """Start watching. With ``wait``, return once the first snapshot is in.
+
+        With ``wait``, raises the last error (EtcdUnavailableError, PermissionDeniedError)
+        if no snapshot could be read within ``settings.dial_timeout``, and stops.
+        """
+        with self._lock:
+            if self._stop.is_set():
+                raise ClosedError("watcher is stopped")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="discovery-watcher", daemon=True
+                )
+                self._thread.start()
+        if wait and not self._listed.wait(self._conn.settings.dial_timeout):
+            cause = self._last_exc
+            self.stop()
+            if cause is None:
+                raise EtcdUnavailableError(f"no snapshot of {self.prefix} from etcd in time")
+            raise translate(cause, self._conn.settings.endpoints) from cause
+        return self
+
+    def stop(self) -> None:
+        """Stop watching, end every iterator and join the watcher's threads. Idempotent."""
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
+        with self._lock:
+            self._state = WatcherState.STOPPED
+            sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
+        self._dispatcher.stop()
+        if self._owns_connection:
+            self._conn.close()
+
+    def __enter__(self) -> EndpointWatcher:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EndpointWatcher:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.stop)
+
+    # -- consumers ---------------------------------------------------------------------
+
+    def add_sink(self, sink: _Sink) -> Callable[[], None]:
+        """Internal: deliver the current state, then every batch, to ``sink``."""
+        with self._lock:
+            if self._stop.is_set():
+                sink.close()
+                return lambda: None
+            if self._listed.is_set() and self._cache:
+                sink.deliver(self._replay_locked())
+            self._sinks.append(sink)
+
+        def remove() -> None:
+            with self._lock:
+                if sink in self._sinks:
+                    self._sinks.remove(sink)
+
+        return remove
+
+    def _replay_locked(self) -> tuple[EndpointEvent, ...]:
+        return tuple(
+            EndpointEvent(EventType.ADDED, key, self._revision, entry.record)
+            for key, entry in self._cache.items()
+        )
+
+    def subscribe(self, callback: Callable[[EndpointEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` for the current engines, then for every change.
+
+        Callbacks run in order on one background thread, outside any lock; a slow or
+        failing callback never stalls the watch. Returns an unsubscribe function.
+        """
+        return self.add_sink(_CallbackSink(callback, self._dispatcher))
+
+    def __iter__(self) -> Iterator[EndpointEvent]:
+        """Block for events; ends when the watcher stops."""
+        sink = _QueueSink()
+        remove = self.add_sink(sink)
+        try:
+            while (batch := sink.queue.get()) is not None:
+                yield from batch
+        finally:
+            remove()
+
+    async def __aiter__(self) -> AsyncIterator[EndpointEvent]:
+        """Await events without blocking the event loop; ends when the watcher stops."""
+        sink = _AsyncSink(asyncio.get_running_loop())
+        remove = self.add_sink(sink)
+        try:
+            while (batch := await sink.queue.get()) is not None:
+                for event in batch:
+                    yield event
+        finally:
+            remove()
+
+    # -- views -------------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        """The etcd revision that the delivered events reflect."""
+        return self._revision
+
+    def health(self) -> WatcherHealth:
+        """Connection state, last error, revision and counters."""
+        with self._lock:
+            return WatcherHealth(
+                state=self._state,
+                revision=self._revision,
+                last_error=self._last_error,
+                last_success=self._last_success,
+                reconnects=self._reconnects,
+                relists=self._relists,
+                skipped=self._skipped,
+                engines=len(self._cache),
+            )
+
+    # -- the list-watch loop -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            retrying = Retrying(
+                retry=retry_if_exception(self._should_retry),
+                wait=wait_exponential_jitter(initial=0.05, max=3.0, jitter=0.2),
+                sleep=self._stop.wait,
+                before_sleep=lambda state: self._on_retry(state.outcome.exception()),
+                reraise=True,
+            )
+            try:
+                retrying(self._session)
+            except _Resume:
+                continue
+            except Exception as exc:
+                if not self._stop.is_set():  # a bug of ours: keep the evidence, keep going
+                    log.exception("watcher loop failed; restarting")
+                    self._on_retry(exc)
+                    self._stop.wait(1.0)
+
+    def _should_retry(self, exc: BaseException) -> bool:
+        return not self._stop.is_set() and not isinstance(exc, _Resume)
+
+    def _on_retry(self, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        reason = describe(exc) if is_transient(exc) else str(translate(exc))
+        with self._lock:
+            if self._state is not WatcherState.STOPPED:
+                self._state = WatcherState.RECONNECTING
+            self._last_error = reason
+            self._last_exc = exc
+            self._reconnects += 1
+        log.warning("watch of %s interrupted (%s); reconnecting", self.prefix, reason)
+
+    def _session(self) -> None:
+        if self._needs_list:
+            self._relist()
+        stream = self._conn.open_watch(self.prefix, self._revision + 1, heartbeat=self._heartbeat)
+        self._stream = stream
+        if self._stop.is_set():
+            stream.close()
+            return
+        opened = time.monotonic()
+        try:
+            for response in stream:
+                self._mark_connected()
+                if response.events:
+                    self._apply(response.events)
+        except Compacted as exc:
+            log.warning("watch of %s fell behind compaction (%s); listing again", self.prefix, exc)
+            self._needs_list = True
+            raise
+        except Exception as exc:
+            if self._stop.is_set():
+                return
+            if time.monotonic() - opened >= _HEALTHY_AFTER:
+                self._on_retry(exc)
+                raise _Resume() from exc
+            raise
+        finally:
+            self._stream = None
+            stream.close()
+
+    def _mark_connected(self) -> None:
+        with self._lock:
+            if self._state is not WatcherState.STOPPED:
+                self._state = WatcherState.CONNECTED
+            self._last_success = datetime.now(UTC)
+
+    def _relist(self) -> None:
+        revision, kvs = self._conn.list_prefix(self.prefix)
+        fresh: dict[str, _Entry] = {}
+        for kv in kvs:
+            key = kv.key.decode("utf-8", "backslashreplace")
+            record = self._decode(key, kv.key, kv.value)
+            if record is not None:
+                fresh[key] = _Entry(record, kv.mod_revision)
+        with self._lock:
+            batch = []
+            for key, entry in self._cache.items():
+                if key not in fresh:
+                    batch.append(EndpointEvent(EventType.REMOVED, key, revision, entry.record))
+            for key, entry in fresh.items():
+                old = self._cache.get(key)
+                if old is None:
+                    batch.append(EndpointEvent(EventType.ADDED, key, revision, entry.record))
+                elif old.mod_revision != entry.mod_revision:
+                    batch.append(EndpointEvent(EventType.UPDATED, key, revision, entry.record))
+            self._cache = fresh
+            self._revision = revision
+            if self._listed.is_set():
+                self._relists += 1
+            self._needs_list = False
+            self._publish_locked(tuple(batch))
+            self._listed.set()
+        self._mark_connected()
+
+    def _decode(self, key: str, raw_key: bytes, value: bytes) -> EngineRecord | None:
+        """The record at ``key`` if valid and selected; None (counted if invalid) otherwise."""
+        try:
+            record = self._keyspace.decode(raw_key, value)
+        except RecordDecodeError as exc:
+            with self._lock:
+                self._skipped += 1
+            log.warning("skipping malformed value: %s", exc)
+            return None
+        return record if record.matches(self.selector) else None
+
+    def _apply(self, events: Sequence[Any]) -> None:
+        """Apply one response's events, one batch per revision."""
+        batch: list[EndpointEvent] = []
+        current = events[0].kv.mod_revision
+        decoded = []
+        for event in events:  # decode outside the lock
+            key = event.kv.key.decode("utf-8", "backslashreplace")
+            record = self._decode(key, event.kv.key, event.kv.value) if event.type == _PUT else None
+            decoded.append((key, event.kv.mod_revision, event.type == _PUT, record))
+        with self._lock:
+            for key, revision, is_put, record in decoded:
+                if revision != current:
+                    self._publish_locked(tuple(batch))
+                    batch, current = [], revision
+                change = self._change_locked(key, revision, is_put, record)
+                if change is not None:
+                    batch.append(change)
+                self._revision = max(self._revision, revision)
+            self._publish_locked(tuple(batch))
+
+    def _change_locked(
+        self, key: str, revision: int, is_put: bool, record: EngineRecord | None
+    ) -> EndpointEvent | None:
+        old = self._cache.get(key)
+        if old is not None and revision <= old.mod_revision:
+            return None  # already applied: never deliver twice
+        if record is None:  # a delete, an undecodable value, or no longer selected
+            if old is None:
+                return None
+            del self._cache[key]
+            return EndpointEvent(EventType.REMOVED, key, revision, old.record)
+        self._cache[key] = _Entry(record, revision)
+        kind = EventType.ADDED if old is None else EventType.UPDATED
+        return EndpointEvent(kind, key, revision, record)
+
+    def _publish_locked(self, batch: tuple[EndpointEvent, ...]) -> None:
+        if batch:
+            for sink in self._sinks:
+                sink.deliver(batch)
+
+
+class _CallbackSink:
+    def __init__(self, callback: Callable[[EndpointEvent], None], dispatcher: Dispatcher) -> None:
+        self._callback = callback
+        self._dispatcher = dispatcher
+
+    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None:
+        self._dispatcher.submit(self._run, batch)
+
+    def _run(self, batch: tuple[EndpointEvent, ...]) -> None:
+        for event in batch:
+            try:
+                self._callback(event)
+            except Exception:
+                log.exception("watch callback %r failed on %s", self._callback, event)
+
+    def close(self) -> None:
+        pass
+
+
+class _QueueSink:
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[tuple[EndpointEvent, ...] | None] = queue.SimpleQueue()
+
+    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None:
+        self.queue.put(batch)
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+class _AsyncSink:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue[tuple[EndpointEvent, ...] | None] = asyncio.Queue()
+
+    def deliver(self, batch: tuple[EndpointEvent, ...] | None) -> None:
+        # RuntimeError: the loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, batch)
+
+    def close(self) -> None:
+        self.deliver(None)

