@@ -181,7 +181,7 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
         raise RecordDecodeError(key, f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     try:
         obj = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise RecordDecodeError(key, f"not JSON ({exc})") from exc
     if not isinstance(obj, dict):
         raise RecordDecodeError(key, f"a JSON {type(obj).__name__}, not an object")
@@ -198,7 +198,7 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
         return EngineRecord(
             engine_id=engine_id,
             endpoint=endpoint,
-            labels=obj.get("labels") or {},
+            labels=obj.get("labels"),  # null means none; false, [] or "" are bad labels
             registered_at=_parse_time(obj.get("registered_at")),
         )
     except (InvalidRecordError, ValueError, TypeError) as exc:

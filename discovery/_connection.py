@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_FAILED_MEMBER_COOLDOWN = 1.0
+_FAILED_MEMBER_COOLDOWN = 0.5
 _PAGE_SIZE = 1000
 _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
@@ -90,6 +90,10 @@ _TRANSIENT_ETCD3 = (
     etcd3_exc.InternalServerError,
     etcd3_exc.NoServerAvailableError,
     etcd3_exc.WatchTimedOut,
+)
+# Codes after which python3-etcd3 benches the member (its _FAILED_EP_CODES).
+_MEMBER_FAILURE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 )
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
@@ -127,7 +131,7 @@ def describe(exc: BaseException) -> str:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the same call later may succeed."""
-    if isinstance(exc, _TokenExpired | _TRANSIENT_ETCD3):
+    if isinstance(exc, (_TokenExpired, *_TRANSIENT_ETCD3)):
         return True
     if isinstance(exc, ValueError) and "failed node" in str(exc):
         return True  # python3-etcd3's Endpoint.use() on a benched member
@@ -214,6 +218,8 @@ class Connection:
                 private_key=_read(s.key),
                 certificate_chain=_read(s.cert),
             )
+        # Benching the only member would just delay the first call after it comes back.
+        cooldown = _FAILED_MEMBER_COOLDOWN if len(s.endpoints) > 1 else 0.0
         members = []
         for url in s.endpoints:
             host, port = url.split("://", 1)[1].rsplit(":", 1)
@@ -223,7 +229,7 @@ class Connection:
                     int(port),
                     secure=s.secure,
                     creds=creds,
-                    time_retry=_FAILED_MEMBER_COOLDOWN,
+                    time_retry=cooldown,
                     opts=_GRPC_OPTIONS,
                 )
             )
@@ -305,7 +311,7 @@ class Connection:
         """
         retrying = Retrying(
             retry=retry_if_exception(lambda e: is_transient(e) and not self._closed),
-            wait=wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1),
+            wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
             stop=stop_after_delay(self.settings.dial_timeout if timeout is None else timeout),
             before_sleep=_log_retry,
             reraise=True,
@@ -380,11 +386,19 @@ def _read(path: str | None) -> bytes | None:
 
 
 class _Stream:
-    """A bidirectional gRPC stream fed from a queue; cancel() ends it from any thread."""
+    """A bidirectional gRPC stream fed from a queue; cancel() ends it from any thread.
 
-    def __init__(self) -> None:
+    python3-etcd3 only benches a member after a failed unary call; a stream that fails
+    on a member benches it here, so the next stream fails over to another member.
+    """
+
+    def __init__(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._call: Any = None
+        self._channel = client.channel  # picks a member that is not benched
+        self._member = client.endpoint_in_use
+        self._credentials = client.call_credentials
+        self._metadata = client.metadata
 
     def _request_iter(self) -> Iterator[Any]:
         while True:
@@ -392,6 +406,19 @@ class _Stream:
             if request is None:
                 return
             yield request
+
+    def _open(self, method: Callable[..., Any]) -> None:
+        self._call = method(
+            self._request_iter(), credentials=self._credentials, metadata=self._metadata
+        )
+
+    def _responses(self) -> Iterator[Any]:
+        try:
+            yield from self._call
+        except grpc.RpcError as exc:
+            if exc.code() in _MEMBER_FAILURE_CODES:
+                self._member.fail()
+            raise
 
     def send(self, request: Any) -> None:
         self._requests.put(request)
@@ -401,6 +428,11 @@ class _Stream:
         self._requests.put(None)
         if self._call is not None:
             self._call.cancel()
+
+    def abandon(self) -> None:
+        """End a stream that stopped answering and bench its member for a moment."""
+        self._member.fail()
+        self.cancel()
 
 
 class WatchStream(_Stream):
@@ -419,18 +451,13 @@ class WatchStream(_Stream):
         start_revision: int,
         heartbeat: float,
     ) -> None:
-        super().__init__()
+        super().__init__(client)
         key = prefix.encode()
         create = etcdrpc.WatchCreateRequest(
             key=key, range_end=prefix_range_end(key), start_revision=start_revision
         )
         self.send(etcdrpc.WatchRequest(create_request=create))
-        stub = etcdrpc.WatchStub(client.channel)
-        self._call = stub.Watch(
-            self._request_iter(),
-            credentials=client.call_credentials,
-            metadata=client.metadata,
-        )
+        self._open(etcdrpc.WatchStub(self._channel).Watch)
         self._heartbeat = heartbeat
         self._last_seen = time.monotonic()
         self._stopped = threading.Event()
@@ -446,7 +473,7 @@ class WatchStream(_Stream):
             if quiet >= 2 * self._heartbeat:
                 log.warning("watch stream silent for %.1f s; reconnecting", quiet)
                 self.silent = True
-                self.cancel()
+                self.abandon()
                 return
             if quiet >= self._heartbeat:
                 self.send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
@@ -454,7 +481,7 @@ class WatchStream(_Stream):
     def __iter__(self) -> Iterator[Any]:
         """Yield WatchResponses; raise Compacted, or the stream's error when it ends."""
         try:
-            for response in self._call:
+            for response in self._responses():
                 self._last_seen = time.monotonic()
                 if response.compact_revision:
                     raise Compacted(response.compact_revision)
@@ -477,13 +504,8 @@ class KeepAliveStream(_Stream):
     """One LeaseKeepAlive stream: ``send_keepalive(id)``, iterate for (lease id, ttl)."""
 
     def __init__(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
-        super().__init__()
-        stub = etcdrpc.LeaseStub(client.channel)
-        self._call = stub.LeaseKeepAlive(
-            self._request_iter(),
-            credentials=client.call_credentials,
-            metadata=client.metadata,
-        )
+        super().__init__(client)
+        self._open(etcdrpc.LeaseStub(self._channel).LeaseKeepAlive)
 
     def send_keepalive(self, lease_id: int) -> None:
         """Ask etcd to renew ``lease_id``; the answer arrives through iteration."""
@@ -492,7 +514,7 @@ class KeepAliveStream(_Stream):
     def __iter__(self) -> Iterator[tuple[int, int]]:
         """Yield (lease id, remaining TTL); TTL <= 0 means the lease no longer exists."""
         try:
-            for response in self._call:
+            for response in self._responses():
                 yield response.ID, response.TTL
         finally:
             self.cancel()

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 _RETRY_MIN = 0.1
 _RETRY_MAX = 0.5  # while lost, try often: the record must be back within ~2 s of etcd
 _STREAM_REOPEN_MIN = 0.2
+_EXIT_TIMEOUT = 2.0  # at interpreter exit, do not hang on an unreachable etcd
 
 
 class RegistrationState(enum.StrEnum):
@@ -169,10 +170,13 @@ class _Keeper:
         stream.send_keepalive(lease_id)
         return True
 
-    def reset_stream(self) -> None:
+    def reset_stream(self, *, unanswered: bool = False) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
-            stream.cancel()
+            if unanswered:
+                stream.abandon()  # its member stopped answering: use another one
+            else:
+                stream.cancel()
 
     def _read(self, stream: KeepAliveStream) -> None:
         try:
@@ -361,11 +365,12 @@ class Registration:
         if registered:
             self._conn.call(self._publish)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Revoke the lease (deleting the key) and stop keeping it. Idempotent.
 
-        Returns once etcd has deleted the key, or after settings.dial_timeout when etcd
-        cannot be reached (the key then expires within the TTL).
+        Returns once etcd has deleted the key, or after ``timeout`` (default
+        settings.dial_timeout) when etcd cannot be reached: the key then expires within
+        the TTL.
         """
         with self._lock:
             if self._state is RegistrationState.CLOSED:
@@ -378,7 +383,7 @@ class Registration:
             self._keeper.track_lease(self, lease_id, None)
         try:
             if lease_id is not None:
-                self._conn.call(lambda client: client.revoke_lease(lease_id))
+                self._conn.call(lambda client: client.revoke_lease(lease_id), timeout=timeout)
                 log.info("deregistered %s (lease %x revoked)", self.engine_id, lease_id)
         except DiscoveryError as exc:
             log.warning(
@@ -442,7 +447,9 @@ class Registration:
         try:
             if replace:
                 ok, responses = client.transaction(
-                    compare=[], success=[txn.put(self.key, value, lease_id, prev_kv=True)]
+                    compare=[],
+                    success=[txn.put(self.key, value, lease_id, prev_kv=True)],
+                    failure=[],
                 )
                 prev = responses[0].response_put.prev_kv
                 holder = prev.lease if prev.key else 0
@@ -481,7 +488,7 @@ class Registration:
         holder = found[0][0][1].lease_id if found and found[0] else 0
         if holder == lease_id:  # ours already: an earlier attempt's answer was lost
             return client.transaction(
-                compare=[], success=[client.transactions.put(self.key, value, lease_id)]
+                compare=[], success=[client.transactions.put(self.key, value, lease_id)], failure=[]
             )
         remaining = client.get_lease_info(holder).TTL if holder else -1
         raise EngineConflictError(self.engine_id, self.key, holder, remaining)
@@ -494,6 +501,7 @@ class Registration:
         ok, responses = client.transaction(
             compare=[txn.mod(self.key) == mod],
             success=[txn.put(self.key, encode(record), lease_id)],
+            failure=[],
         )
         if not ok:
             self._lose("the key was changed or deleted by someone else")
@@ -530,7 +538,7 @@ class Registration:
     def _keepalive(self, keeper: _Keeper, now: float) -> None:
         if self._awaiting is not None and now - self._awaiting >= self._interval:
             # The previous keepalive was never answered: the stream may be dead.
-            keeper.reset_stream()
+            keeper.reset_stream(unanswered=True)
         lease_id = self._lease_id
         if lease_id is not None and keeper.send_keepalive(lease_id):
             if self._awaiting is None:
@@ -592,7 +600,7 @@ _live_registrations: weakref.WeakSet[Registration] = weakref.WeakSet()
 def _close_at_exit() -> None:
     # Normal interpreter exit revokes leases; SIGTERM needs deregister_on_signals().
     for registration in list(_live_registrations):
-        registration.close()
+        registration.close(timeout=_EXIT_TIMEOUT)
 
 
 def register_engine(

@@ -6,8 +6,8 @@ URLs, TLS files, credential pairs, timeouts. It never opens a connection.
 
 from __future__ import annotations
 
+import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -64,6 +64,10 @@ class Settings:
         endpoints = self.endpoints
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
+        if not isinstance(endpoints, Sequence) or not all(isinstance(e, str) for e in endpoints):
+            raise ConfigurationError(
+                "endpoints must be a comma-separated string or a sequence of strings"
+            )
         normalised = tuple(_parse_endpoint(e) for e in endpoints if e.strip())
         if not normalised:
             raise ConfigurationError("endpoints: at least one etcd endpoint is required")
@@ -77,7 +81,12 @@ class Settings:
             raise ConfigurationError(str(exc)) from exc
         for name in ("dial_timeout", "request_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise ConfigurationError(f"{name} must be a positive number of seconds")
             object.__setattr__(self, name, float(value))
         self._check_tls(tls=secure == {True})
@@ -154,8 +163,14 @@ def env_names() -> dict[str, str]:
 def _parse_endpoint(text: str) -> str:
     raw = text.strip()
     raw = raw if "://" in raw else f"http://{raw}"
-    # Never echo credentials someone put in a URL.
-    shown = repr(re.sub(r"//[^/@]*@", "//***@", raw))
+    if "@" in raw:
+        # Never echo credentials someone put in a URL: show only what follows the last '@'
+        # (a password may itself hold '@', '/' or ':', so no URL parser can be trusted here).
+        raise ConfigurationError(
+            f"endpoint {'***@' + raw.rpartition('@')[2]!r}: credentials do not belong in the "
+            "URL; use username/password"
+        )
+    shown = repr(raw)
     try:
         parts = urlsplit(raw)
         port = parts.port
@@ -165,12 +180,10 @@ def _parse_endpoint(text: str) -> str:
         raise ConfigurationError(f"endpoint {shown}: scheme must be http or https")
     if not parts.hostname:
         raise ConfigurationError(f"endpoint {shown} has no host")
-    if parts.username is not None:
-        raise ConfigurationError(
-            f"endpoint {shown}: credentials do not belong in the URL; use username/password"
-        )
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigurationError(f"endpoint {shown}: only scheme://host:port is allowed")
+    if port == 0:
+        raise ConfigurationError(f"endpoint {shown}: port must be 1-65535")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}:{port or 2379}"
 

@@ -331,7 +331,7 @@ class EndpointWatcher:
         while not self._stop.is_set():
             retrying = Retrying(
                 retry=retry_if_exception(self._should_retry),
-                wait=wait_exponential_jitter(initial=0.05, max=3.0, jitter=0.2),
+                wait=wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2),
                 sleep=self._stop.wait,
                 before_sleep=lambda state: self._on_retry(state.outcome.exception()),
                 reraise=True,

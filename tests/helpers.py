@@ -1,0 +1,148 @@
+"""Shared test helpers: condition waits (never sleeps), sample records, subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from discovery import (
+    InferenceEngineCapabilities,
+    InferenceEngineEndpoint,
+    PrefixCachingCoordinatorPolicy,
+    Settings,
+)
+
+T = TypeVar("T")
+
+
+def wait_for(
+    condition: Callable[[], T], timeout: float = 10.0, message: str = "condition", interval=0.02
+) -> T:
+    """Poll ``condition`` until it returns a truthy value; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+        time.sleep(interval)
+
+
+def make_endpoint(
+    index: int = 0,
+    policy: PrefixCachingCoordinatorPolicy | None = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+    **overrides,
+) -> InferenceEngineEndpoint:
+    caps = dict(
+        context_length=8192,
+        kv_cache_block_size=256,
+        total_kv_blocks=1000 + index,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        bos_token_id=1,
+        enable_prefix_caching=True,
+        logical_data_parallel_size=1,
+        prefix_caching_coordinator_policy=policy,
+    )
+    caps.update(overrides)
+    return InferenceEngineEndpoint(
+        f"tcp://10.1.{index // 250}.{index % 250}:5555", InferenceEngineCapabilities(**caps)
+    )
+
+
+def cli_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
+    env.update(
+        DISCOVERY_ETCD_ENDPOINTS=",".join(settings.endpoints),
+        DISCOVERY_ROOT=settings.root,
+        DISCOVERY_NAMESPACE=settings.namespace,
+    )
+    return env
+
+
+def run_cli(settings: Settings, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "discovery", *args],
+        env=cli_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+class Registrar:
+    """A ``discovery register`` subprocess, stopped by pid at the end of the test."""
+
+    def __init__(self, settings: Settings, engine_id: str, ttl: float = 3.0, extra=()) -> None:
+        self.engine_id = engine_id
+        # A file, not a pipe: a chatty child must never block on a full pipe.
+        self._log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "discovery", "register",
+                "--engine-id", engine_id,
+                "--coordinator-address", f"tcp://{engine_id}:5555",
+                "--context-length", "4096", "--kv-cache-block-size", "128",
+                "--total-kv-blocks", "100", "--max-num-seqs", "16",
+                "--max-num-batched-tokens", "4096", "--bos-token-id", "1",
+                "--ttl", str(ttl), *extra,
+            ],  # fmt: skip
+            env=cli_env(settings),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 10.0) -> int:
+        return self.process.wait(timeout)
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        self._log.close()
+
+
+
+
+def etcdctl(endpoints: Sequence[str], *args: str) -> subprocess.CompletedProcess:
+    from discovery.embedded import find_binary  # noqa: PLC0415
+
+    return subprocess.run(
+        [find_binary("etcdctl"), "--endpoints", ",".join(endpoints), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "ETCDCTL_API": "3"},
+    )
+
+
+def get_kv(endpoints: Sequence[str], key: str) -> dict | None:
+    """The key's JSON view from etcdctl (value decoded), or None when absent."""
+    import base64  # noqa: PLC0415
+
+    result = etcdctl(endpoints, "get", key, "-w", "json")
+    assert result.returncode == 0, result.stderr
+    kvs = json.loads(result.stdout).get("kvs") or []
+    if not kvs:
+        return None
+    kv = kvs[0]
+    kv["key"] = base64.b64decode(kv["key"]).decode()
+    kv["value"] = base64.b64decode(kv["value"]).decode()
+    return kv

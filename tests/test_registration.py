@@ -1,0 +1,390 @@
+"""Lease-backed registration against real etcd (issue 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from discovery import (
+    EngineConflictError,
+    EtcdUnavailableError,
+    InvalidRecordError,
+    RegistrationState,
+    Settings,
+    aregister_engine,
+    default_engine_id,
+    register_dynamic_engine,
+    register_engine,
+)
+from discovery._codec import KeySpace
+
+from .helpers import Registrar, cli_env, etcdctl, get_kv, make_endpoint, wait_for
+
+
+def _states(registration) -> list[RegistrationState]:
+    seen: list[RegistrationState] = []
+    registration.subscribe(seen.append)
+    return seen
+
+
+def test_record_is_documented_json_on_a_lease(settings: Settings) -> None:
+    endpoint = make_endpoint(3)
+    with register_engine(
+        endpoint, engine_id="engine-a", ttl=5, labels={"model": "llama", "role": "decode"},
+        settings=settings,
+    ) as reg:  # fmt: skip
+        assert reg.state is RegistrationState.REGISTERED
+        assert reg.key == f"/inference/v1/{settings.namespace}/engines/engine-a"
+        result = etcdctl(settings.endpoints, "get", "--prefix", KeySpace(namespace=settings.namespace).prefix)
+        assert result.returncode == 0
+        key, value = result.stdout.splitlines()
+        assert key == reg.key
+        stored = json.loads(value)
+        assert {k: stored[k] for k in ("coordinator_address", "capabilities")} == endpoint.to_dict()
+        assert stored["capabilities"]["prefix_caching_coordinator_policy"] == "first_prefix_block"
+        assert stored["engine_id"] == "engine-a"
+        assert stored["labels"] == {"model": "llama", "role": "decode"}
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", stored["registered_at"])
+        assert " " not in value  # compact JSON
+
+        ttl = etcdctl(settings.endpoints, "lease", "timetolive", f"{reg.lease_id:x}", "--keys")
+        assert ttl.returncode == 0
+        assert f"lease {reg.lease_id:x} granted with TTL(5s)" in ttl.stdout
+        assert f"attached keys([{reg.key}])" in ttl.stdout
+        assert get_kv(settings.endpoints, reg.key)["lease"] == reg.lease_id
+
+
+def test_close_revokes_the_lease_and_is_idempotent(settings: Settings) -> None:
+    reg = register_engine(make_endpoint(), engine_id="closing", ttl=30, settings=settings)
+    lease = reg.lease_id
+    reg.close()
+    assert get_kv(settings.endpoints, reg.key) is None  # gone when close() returns
+    assert reg.state is RegistrationState.CLOSED
+    reg.close()
+    ttl = etcdctl(settings.endpoints, "lease", "timetolive", f"{lease:x}")
+    assert "already expired" in ttl.stdout
+
+
+def test_invalid_input_is_refused_before_any_write(settings: Settings) -> None:
+    prefix = KeySpace(namespace=settings.namespace).prefix
+    bad_calls = [
+        dict(engine_id="has/slash"),
+        dict(engine_id=""),
+        dict(labels={"bad key": "x"}),
+        dict(labels={"k": 1}),
+        dict(labels={"k": "x" * 10_000}),
+        dict(ttl=0),
+        dict(ttl=-3),
+    ]
+    for kwargs in bad_calls:
+        with pytest.raises(InvalidRecordError):
+            register_engine(make_endpoint(), settings=settings, **kwargs)
+    with pytest.raises(InvalidRecordError, match="InferenceEngineEndpoint"):
+        register_engine({"coordinator_address": "x"}, settings=settings)  # type: ignore[arg-type]
+    big_labels = {f"k{i}": "v" * 250 for i in range(64)}
+    with pytest.raises(InvalidRecordError, match="over the"):
+        register_engine(make_endpoint(), labels=big_labels, settings=settings)
+    assert etcdctl(settings.endpoints, "get", "--prefix", prefix).stdout == ""
+
+
+def test_duplicate_engine_id_is_refused_and_replace_takes_over(settings: Settings) -> None:
+    first = register_engine(make_endpoint(1), engine_id="dup", ttl=20, settings=settings)
+    states = _states(first)
+    before = get_kv(settings.endpoints, first.key)
+    with pytest.raises(EngineConflictError) as caught:
+        register_engine(make_endpoint(2), engine_id="dup", ttl=20, settings=settings)
+    error = caught.value
+    assert error.lease_id == first.lease_id
+    assert 0 < error.remaining_ttl <= 20
+    assert f"lease {first.lease_id:x}" in str(error) and "remaining TTL" in str(error)
+    assert get_kv(settings.endpoints, first.key) == before  # untouched
+
+    second = register_engine(make_endpoint(2), engine_id="dup", ttl=20, settings=settings, replace=True)
+    try:
+        kv = get_kv(settings.endpoints, second.key)
+        assert kv["lease"] == second.lease_id
+        assert json.loads(kv["value"])["coordinator_address"] == make_endpoint(2).coordinator_address
+        # The previous holder learns it lost the id and does not steal it back.
+        assert first.wait_for_state(RegistrationState.LOST, timeout=10)
+        wait_for(lambda: first.health().last_error and "already registered" in first.health().last_error,
+                 message="the old holder to report the conflict")  # fmt: skip
+        assert get_kv(settings.endpoints, second.key)["lease"] == second.lease_id
+        assert RegistrationState.LOST in states
+    finally:
+        second.close()
+        first.close()
+
+
+def test_update_publishes_atomically_under_the_same_lease(settings: Settings) -> None:
+    with register_engine(make_endpoint(1), engine_id="upd", labels={"a": "1"}, settings=settings) as reg:
+        lease = reg.lease_id
+        reg.update(labels={"a": "2", "zone": "z1"}, endpoint=make_endpoint(7))
+        kv = get_kv(settings.endpoints, reg.key)
+        value = json.loads(kv["value"])
+        assert value["labels"] == {"a": "2", "zone": "z1"}
+        assert value["coordinator_address"] == make_endpoint(7).coordinator_address
+        assert kv["lease"] == lease == reg.lease_id
+        with pytest.raises(InvalidRecordError):
+            reg.update(labels={"no spaces": "x"})
+        assert json.loads(get_kv(settings.endpoints, reg.key)["value"])["labels"]["a"] == "2"
+
+
+def test_operator_revoke_brings_the_record_back(settings: Settings) -> None:
+    with register_engine(make_endpoint(), engine_id="revoked", ttl=3, settings=settings) as reg:
+        states = _states(reg)
+        old_lease = reg.lease_id
+        assert etcdctl(settings.endpoints, "lease", "revoke", f"{old_lease:x}").returncode == 0
+        kv = wait_for(
+            lambda: (kv := get_kv(settings.endpoints, reg.key)) and kv["lease"] != old_lease and kv,
+            timeout=5,
+            message="the record to come back on a new lease",
+        )
+        assert kv["lease"] == reg.lease_id
+        wait_for(lambda: states[-2:] == [RegistrationState.LOST, RegistrationState.REGISTERED],
+                 message="lost then registered hooks")  # fmt: skip
+        assert reg.health().registrations == 2 and reg.health().losses == 1
+
+
+def test_sigkill_removes_the_key_within_ttl_plus_2s(settings: Settings) -> None:
+    registrar = Registrar(settings, "killed", ttl=3)
+    key = settings.keyspace.key("killed")
+    try:
+        wait_for(lambda: get_kv(settings.endpoints, key), message="registration")
+        registrar.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: get_kv(settings.endpoints, key) is None, timeout=3 + 2, message="expiry")
+        assert time.monotonic() - killed <= 5
+    finally:
+        registrar.stop()
+
+
+def test_sigterm_removes_the_key_within_half_a_second(settings: Settings) -> None:
+    registrar = Registrar(settings, "termed", ttl=30)
+    key = settings.keyspace.key("termed")
+    try:
+        wait_for(lambda: get_kv(settings.endpoints, key), message="registration")
+        registrar.signal(signal.SIGTERM)
+        sent = time.monotonic()
+        wait_for(lambda: get_kv(settings.endpoints, key) is None, timeout=0.5, interval=0.005,
+                 message="revocation")  # fmt: skip
+        assert time.monotonic() - sent <= 0.5
+        assert registrar.wait() == 0, registrar.output()
+        assert "deregistered termed" in registrar.output()
+    finally:
+        registrar.stop()
+
+
+def test_sigint_also_deregisters(settings: Settings) -> None:
+    registrar = Registrar(settings, "interrupted", ttl=30)
+    key = settings.keyspace.key("interrupted")
+    try:
+        wait_for(lambda: get_kv(settings.endpoints, key), message="registration")
+        registrar.signal(signal.SIGINT)
+        assert registrar.wait() == 0
+        assert get_kv(settings.endpoints, key) is None
+    finally:
+        registrar.stop()
+
+
+_LIBRARY_PROGRAM = """
+import sys, signal
+from discovery import register_engine, deregister_on_signals, Settings
+from tests.helpers import make_endpoint
+reg = register_engine(make_endpoint(), engine_id=sys.argv[1], ttl=30, settings=Settings.from_env())
+if sys.argv[2] == "signals":
+    deregister_on_signals(reg)
+print("ready", flush=True)
+if sys.argv[2] == "signals":
+    signal.pause()
+"""
+
+
+def test_normal_interpreter_exit_revokes_the_lease(settings: Settings) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_PROGRAM, "exiting", "exit"],
+        env=cli_env(settings), capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "ready" in result.stdout
+    assert get_kv(settings.endpoints, settings.keyspace.key("exiting")) is None
+
+
+def test_signal_helper_revokes_then_exits_like_the_default_handler(settings: Settings) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LIBRARY_PROGRAM, "helper", "signals"],
+        env=cli_env(settings), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        assert get_kv(settings.endpoints, settings.keyspace.key("helper")) is not None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 128 + signal.SIGTERM
+        assert get_kv(settings.endpoints, settings.keyspace.key("helper")) is None
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+def test_etcd_restart_within_ttl_never_removes_the_record(etcd, private_settings: Settings) -> None:
+    with register_engine(make_endpoint(), engine_id="steady", ttl=6, settings=private_settings) as reg:
+        before = get_kv(etcd.endpoints, reg.key)
+        seen_keepalive = reg.health().last_keepalive
+        etcd.restart(etcd.members[0], kill=True)
+        # Keepalives flow again on the same lease...
+        wait_for(lambda: reg.health().last_keepalive != seen_keepalive, timeout=6,
+                 message="a keepalive after the restart")  # fmt: skip
+        after = get_kv(etcd.endpoints, reg.key)
+        # ...and the key was never deleted: a delete + put would change create_revision.
+        assert after["create_revision"] == before["create_revision"]
+        assert after["lease"] == before["lease"] == reg.lease_id
+        assert reg.health().losses == 0
+
+
+def test_outage_longer_than_ttl_reregisters_within_2s(etcd, private_settings: Settings) -> None:
+    registrar = Registrar(private_settings, "survivor", ttl=2)
+    key = private_settings.keyspace.key("survivor")
+    try:
+        with register_engine(make_endpoint(), engine_id="inproc", ttl=2, settings=private_settings) as reg:
+            states = _states(reg)
+            wait_for(lambda: get_kv(etcd.endpoints, key), message="subprocess registration")
+            etcd.members[0].stop(kill=True)
+            assert reg.wait_for_state(RegistrationState.LOST, timeout=5)
+            etcd.members[0].start()
+            etcd.wait_healthy()
+            back = time.monotonic()
+            wait_for(lambda: get_kv(etcd.endpoints, key) and get_kv(etcd.endpoints, reg.key),
+                     timeout=2, message="both records back")  # fmt: skip
+            assert reg.wait_for_state(RegistrationState.REGISTERED, timeout=2 - (time.monotonic() - back))
+            wait_for(lambda: states == [RegistrationState.LOST, RegistrationState.REGISTERED],
+                     message="hooks: lost, then registered")  # fmt: skip
+            assert registrar.process.poll() is None, "the engine process must keep running"
+            wait_for(lambda: "registered again" in registrar.output(), message="subprocess log")
+    finally:
+        registrar.stop()
+
+
+def test_lease_expired_while_partitioned_is_replaced_by_a_new_one(etcd3) -> None:
+    """The registrar talks to one member; that member dies, the cluster lets the lease expire."""
+    lonely = Settings(endpoints=[etcd3.members[0].client_url], namespace="partition", dial_timeout=5)
+    others = [m.client_url for m in etcd3.members[1:]]
+    with register_engine(make_endpoint(), engine_id="cut-off", ttl=2, settings=lonely) as reg:
+        old_lease = reg.lease_id
+        etcd3.members[0].stop(kill=True)
+        wait_for(lambda: get_kv(others, reg.key) is None, timeout=8, message="lease expiry")
+        assert reg.wait_for_state(RegistrationState.LOST, timeout=5)
+        etcd3.members[0].start()
+        etcd3.wait_healthy(members=[etcd3.members[0]])
+        kv = wait_for(lambda: get_kv(others, reg.key), timeout=2, message="re-registration")
+        assert kv["lease"] != old_lease
+        assert reg.state is RegistrationState.REGISTERED
+
+
+def test_killing_the_connected_member_keeps_the_record(etcd3) -> None:
+    settings = Settings(endpoints=etcd3.endpoints, namespace="failover", dial_timeout=10)
+    with register_engine(make_endpoint(), engine_id="ha", ttl=2, settings=settings) as reg:
+        in_use = reg._conn.client().endpoint_in_use.netloc
+        victim = next(m for m in etcd3.members if m.client_url.endswith(in_use))
+        others = [m.client_url for m in etcd3.members if m is not victim]
+        created = get_kv(others, reg.key)["create_revision"]
+        victim.stop(kill=True)
+        # Watch the key for three TTLs: it must never disappear.
+        deadline = time.monotonic() + 3 * reg.ttl
+        while time.monotonic() < deadline:
+            kv = get_kv(others, reg.key)
+            assert kv is not None and kv["create_revision"] == created
+        assert reg.state is RegistrationState.REGISTERED
+        assert reg.health().losses == 0
+
+
+def test_unreachable_etcd_fails_clearly_at_start() -> None:
+    settings = Settings(endpoints=["http://127.0.0.1:9"], dial_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match="127.0.0.1:9"):
+        register_engine(make_endpoint(), settings=settings)
+    assert time.monotonic() - started < 5
+
+
+def _fake_engine():
+    context = SimpleNamespace(
+        max_sequence_length=4096,
+        block_size_tokens=64,
+        kv_block_allocator=SimpleNamespace(pool_size=513),
+        max_requests=32,
+        max_tokens=2048,
+        enable_prefix_caching=True,
+        config=SimpleNamespace(prefix_caching_coordinator_policy=None),
+    )
+    return SimpleNamespace(context=context, controller=SimpleNamespace(tokenizer=SimpleNamespace(bos=7)))
+
+
+def test_register_dynamic_engine_reads_the_engine_once(settings: Settings) -> None:
+    with register_dynamic_engine(
+        _fake_engine(), "tcp://engine:7000", logical_data_parallel_size=2, engine_id="megatron",
+        settings=settings,
+    ) as reg:  # fmt: skip
+        caps = json.loads(get_kv(settings.endpoints, reg.key)["value"])["capabilities"]
+        assert caps["total_kv_blocks"] == 512
+        assert caps["bos_token_id"] == 7
+        assert caps["logical_data_parallel_size"] == 2
+
+
+def test_async_registration_does_not_block_the_loop(settings: Settings) -> None:
+    async def main() -> tuple[int, bool]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        async with await aregister_engine(make_endpoint(), engine_id="aio", settings=settings) as reg:
+            present = get_kv(settings.endpoints, reg.key) is not None
+        stop.set()
+        await task
+        return ticks, present and get_kv(settings.endpoints, reg.key) is None
+
+    ticks, ok = asyncio.run(main())
+    assert ok
+    assert ticks > 10  # the loop kept running while etcd calls happened in threads
+
+
+def test_default_engine_id_is_unique_stable_and_key_safe() -> None:
+    first, second = default_engine_id(), default_engine_id()
+    assert first != second
+    stem = re.fullmatch(rf"([A-Za-z0-9._-]+-{os.getpid()}-[0-9a-f]{{6}})(-\d+)?", first)
+    assert stem, first
+    assert second.startswith(stem.group(1))  # same process: same host-pid-nonce stem
+    KeySpace().key(first)
+
+
+def test_many_registrations_share_one_keeper_thread(settings: Settings) -> None:
+    from discovery import Connection
+
+    before = {t.name for t in threading.enumerate()}
+    with Connection(settings) as conn:
+        regs = [register_engine(make_endpoint(i), engine_id=f"many-{i}", ttl=3, connection=conn)
+                for i in range(50)]  # fmt: skip
+        keepers = [t for t in threading.enumerate() if t.name == "discovery-keeper"]
+        assert len(keepers) - sum(name == "discovery-keeper" for name in before) == 1
+        # All survive several TTLs on the shared stream.
+        first_keepalive = {r.engine_id: r.health().last_keepalive for r in regs}
+        wait_for(lambda: all(r.health().last_keepalive != first_keepalive[r.engine_id] for r in regs),
+                 timeout=5, message="keepalives for all")  # fmt: skip
+        for reg in regs:
+            reg.close()
+        result = etcdctl(settings.endpoints, "get", "--prefix", "--keys-only", settings.keyspace.prefix)
+        assert result.stdout.strip() == ""
