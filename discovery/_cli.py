@@ -190,7 +190,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
         replace=args.replace,
     )
     log.info(
-        "registered %s at %s (lease %x, ttl %d s)",
+        "registered %s at %s (lease %016x, ttl %d s)",
         registration.engine_id,
         registration.key,
         registration.lease_id,
@@ -218,7 +218,7 @@ def _cmd_deregister(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
         if meta.lease_id:
             conn.call(lambda c: c.revoke_lease(meta.lease_id))
-            how = f"revoked lease {meta.lease_id:x}"
+            how = f"revoked lease {meta.lease_id:016x}"
         else:
             conn.call(lambda c: c.delete(key))
             how = "deleted the key (it had no lease)"

@@ -7,8 +7,9 @@ It knows nothing about engines. It owns:
 - the retry policy (tenacity: jittered exponential backoff, bounded by a deadline);
 - translating every gRPC / etcd3 error into discovery's exceptions, at one boundary;
 - guarding the client's known defects:
-  * ``Endpoint.fail()`` benches a member for 300 s, even the only one: we build
-    endpoints with a cooldown of ``_FAILED_MEMBER_COOLDOWN`` seconds instead;
+  * ``Endpoint.fail()`` benches a member for 300 s, even the only one, and then every
+    call fails with NoServerAvailableError: ``_FailoverClient`` benches a failed member
+    for ``_FAILED_MEMBER_COOLDOWN`` seconds only while another member is healthy;
   * gRPC's reconnect backoff grows to 120 s: capped at 1 s so a restarted member is
     used again at once;
   * its watch thread dies silently on a stream error (``NameError: six``), never resumes
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_FAILED_MEMBER_COOLDOWN = 0.5
+_FAILED_MEMBER_COOLDOWN = 5.0
 _PAGE_SIZE = 1000
 _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
@@ -174,6 +176,31 @@ def _log_retry(state: RetryCallState) -> None:
         )
 
 
+class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
+    """python3-etcd3's client with a member choice that never locks us out.
+
+    Upstream keeps using the current member until it fails, then benches it for
+    ``time_retry`` seconds and raises NoServerAvailableError when every member is
+    benched, so a single-member client is unusable after any blip. Here a failed
+    member is avoided while others are healthy; when all are benched, the one benched
+    longest ago is tried at once.
+    """
+
+    @property
+    def channel(self) -> grpc.Channel:
+        current = self.endpoint_in_use
+        if not current.is_failed():
+            return current.use()
+        healthy = [label for label, ep in self.endpoints.items() if not ep.is_failed()]
+        if healthy:
+            label = random.choice(healthy)
+        else:
+            label = min(self.endpoints, key=lambda name: self.endpoints[name].last_failed)
+            self.endpoints[label].last_failed = 0  # try it now; a new failure benches it
+        self._current_endpoint_label = label
+        return self.endpoints[label].use()
+
+
 @dataclass(frozen=True)
 class KeyValue:
     """One key as read from etcd."""
@@ -218,8 +245,6 @@ class Connection:
                 private_key=_read(s.key),
                 certificate_chain=_read(s.cert),
             )
-        # Benching the only member would just delay the first call after it comes back.
-        cooldown = _FAILED_MEMBER_COOLDOWN if len(s.endpoints) > 1 else 0.0
         members = []
         for url in s.endpoints:
             host, port = url.split("://", 1)[1].rsplit(":", 1)
@@ -229,13 +254,13 @@ class Connection:
                     int(port),
                     secure=s.secure,
                     creds=creds,
-                    time_retry=cooldown,
+                    time_retry=_FAILED_MEMBER_COOLDOWN,
                     opts=_GRPC_OPTIONS,
                 )
             )
         try:
             # Authenticates at once when credentials are set; members are tried in turn.
-            return etcd3.MultiEndpointEtcd3Client(
+            return _FailoverClient(
                 endpoints=members,
                 timeout=s.request_timeout,
                 user=s.username,

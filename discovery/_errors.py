@@ -68,7 +68,7 @@ class EngineConflictError(EtcdError):
     def __init__(self, engine_id: str, key: str, lease_id: int, remaining_ttl: int) -> None:
         super().__init__(
             f"engine id {engine_id!r} is already registered at {key!r} by lease "
-            f"{lease_id:x} (remaining TTL {remaining_ttl} s); choose another id, or "
+            f"{lease_id:016x} (remaining TTL {remaining_ttl} s); choose another id, or "
             "pass replace=True to take it over"
         )
         self.engine_id = engine_id

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import enum
 import heapq
 import itertools
@@ -319,7 +320,7 @@ class Registration:
             return self._state_changed.wait_for(lambda: self._state == state, timeout)
 
     def __repr__(self) -> str:
-        lease = f"{self._lease_id:x}" if self._lease_id else None
+        lease = f"{self._lease_id:016x}" if self._lease_id else None
         return f"<Registration {self.engine_id!r} {self._state} lease={lease} key={self.key!r}>"
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -384,7 +385,7 @@ class Registration:
         try:
             if lease_id is not None:
                 self._conn.call(lambda client: client.revoke_lease(lease_id), timeout=timeout)
-                log.info("deregistered %s (lease %x revoked)", self.engine_id, lease_id)
+                log.info("deregistered %s (lease %016x revoked)", self.engine_id, lease_id)
         except DiscoveryError as exc:
             log.warning(
                 "could not revoke lease of %s (%s); its key expires within %d s",
@@ -435,63 +436,62 @@ class Registration:
 
     def _write(self, client: etcd3.MultiEndpointEtcd3Client, *, replace: bool) -> None:
         """Put the record on a live lease: the current one if it survived, else a new one."""
-        lease_id = self._lease_id
-        if lease_id is not None and client.get_lease_info(lease_id).TTL <= 0:
-            lease_id = None
-        granted = lease_id is None
-        if granted:
-            lease_id = client.lease(self.ttl).id
+        previous = self._lease_id
+        alive = previous is not None and client.get_lease_info(previous).TTL > 0
+        lease_id = previous if alive else client.lease(self.ttl).id
         record = replace_time(self._record)
-        value = encode(record)
-        txn = client.transactions
         try:
-            if replace:
-                ok, responses = client.transaction(
-                    compare=[],
-                    success=[txn.put(self.key, value, lease_id, prev_kv=True)],
-                    failure=[],
-                )
-                prev = responses[0].response_put.prev_kv
-                holder = prev.lease if prev.key else 0
-                if holder and holder != lease_id:
-                    # Take over: the previous holder notices its lease is gone.
-                    client.revoke_lease(holder)
-                    log.warning("%s: replaced the record held by lease %x", self.engine_id, holder)
-            else:
-                ok, responses = client.transaction(
-                    compare=[txn.version(self.key) == 0],
-                    success=[txn.put(self.key, value, lease_id)],
-                    failure=[txn.get(self.key)],
-                )
-                if not ok:
-                    ok, responses = self._resolve_conflict(client, lease_id, value, responses)
+            revision = self._put(client, lease_id, encode(record), replace=replace)
         except BaseException:
-            if granted:
-                client.revoke_lease(lease_id)
+            if lease_id != previous:
+                with contextlib.suppress(Exception):
+                    client.revoke_lease(lease_id)
             raise
-        header = responses[0].response_put.header if ok else None
         with self._lock:
-            old_lease, self._lease_id = self._lease_id, lease_id
+            self._lease_id = lease_id
             self._record = record
-            self._mod_revision = header.revision if header else self._mod_revision
+            self._mod_revision = revision
             self._dirty = False
             self._deadline = time.monotonic() + self.ttl
             self._awaiting = None
-            if granted:
+            if lease_id != previous:
                 self._registrations += 1
-        if self._keeper is not None and old_lease != lease_id:
-            self._keeper.track_lease(self, old_lease, lease_id)
+        if self._keeper is not None and previous != lease_id:
+            self._keeper.track_lease(self, previous, lease_id)
 
-    def _resolve_conflict(
-        self, client: etcd3.MultiEndpointEtcd3Client, lease_id: int, value: bytes, found: Any
-    ) -> tuple[bool, Any]:
-        holder = found[0][0][1].lease_id if found and found[0] else 0
-        if holder == lease_id:  # ours already: an earlier attempt's answer was lost
-            return client.transaction(
-                compare=[], success=[client.transactions.put(self.key, value, lease_id)], failure=[]
+    def _put(
+        self, client: etcd3.MultiEndpointEtcd3Client, lease_id: int, value: bytes, *, replace: bool
+    ) -> int:
+        """Write ``value`` on ``lease_id`` unless another live lease holds the key.
+
+        Returns the revision of the write. The key counts as ours when it is on this
+        lease or on our previous one (which may still be expiring after an outage).
+        """
+        txn = client.transactions
+        put = txn.put(self.key, value, lease_id, prev_kv=True)
+        compare = [] if replace else [txn.version(self.key) == 0]
+        ok, responses = client.transaction(
+            compare=compare, success=[put], failure=[txn.get(self.key)]
+        )
+        if not ok:
+            found = responses[0][0][1]
+            holder = found.lease_id
+            if not holder or holder not in (lease_id, self._lease_id):
+                remaining = client.get_lease_info(holder).TTL if holder else -1
+                raise EngineConflictError(self.engine_id, self.key, holder, remaining)
+            ok, responses = client.transaction(
+                compare=[txn.mod(self.key) == found.mod_revision], success=[put], failure=[]
             )
-        remaining = client.get_lease_info(holder).TTL if holder else -1
-        raise EngineConflictError(self.engine_id, self.key, holder, remaining)
+            if not ok:  # changed between the two transactions: look again
+                return self._put(client, lease_id, value, replace=replace)
+        response = responses[0].response_put
+        holder = response.prev_kv.lease if response.prev_kv.key else 0
+        if holder and holder != lease_id:
+            # The previous holder (someone we replaced, or our own expiring lease) goes.
+            client.revoke_lease(holder)
+            if holder != self._lease_id:
+                log.warning("%s: replaced the record held by lease %016x", self.engine_id, holder)
+        return response.header.revision
 
     def _publish(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
         """Write the current record over our own key only (mod revision unchanged)."""
@@ -563,7 +563,7 @@ class Registration:
                 self._awaiting = None
                 self._last_keepalive = datetime.now(UTC)
                 return
-        self._lose(f"lease {lease_id:x} no longer exists (expired or revoked)")
+        self._lose(f"lease {lease_id:016x} no longer exists (expired or revoked)")
 
     def _recover(self, keeper: _Keeper) -> None:
         try:

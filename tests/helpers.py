@@ -38,7 +38,8 @@ def wait_for(
 
 def make_endpoint(
     index: int = 0,
-    policy: PrefixCachingCoordinatorPolicy | None = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+    policy: PrefixCachingCoordinatorPolicy
+    | None = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
     **overrides,
 ) -> InferenceEngineEndpoint:
     caps = dict(
@@ -85,17 +86,33 @@ class Registrar:
     def __init__(self, settings: Settings, engine_id: str, ttl: float = 3.0, extra=()) -> None:
         self.engine_id = engine_id
         # A file, not a pipe: a chatty child must never block on a full pipe.
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "discovery", "register",
-                "--engine-id", engine_id,
-                "--coordinator-address", f"tcp://{engine_id}:5555",
-                "--context-length", "4096", "--kv-cache-block-size", "128",
-                "--total-kv-blocks", "100", "--max-num-seqs", "16",
-                "--max-num-batched-tokens", "4096", "--bos-token-id", "1",
-                "--ttl", str(ttl), *extra,
-            ],  # fmt: skip
+                sys.executable,
+                "-m",
+                "discovery",
+                "register",
+                "--engine-id",
+                engine_id,
+                "--coordinator-address",
+                f"tcp://{engine_id}:5555",
+                "--context-length",
+                "4096",
+                "--kv-cache-block-size",
+                "128",
+                "--total-kv-blocks",
+                "100",
+                "--max-num-seqs",
+                "16",
+                "--max-num-batched-tokens",
+                "4096",
+                "--bos-token-id",
+                "1",
+                "--ttl",
+                str(ttl),
+                *extra,
+            ],
             env=cli_env(settings),
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -116,8 +133,6 @@ class Registrar:
             self.process.kill()
         self.process.wait(10)
         self._log.close()
-
-
 
 
 def etcdctl(endpoints: Sequence[str], *args: str) -> subprocess.CompletedProcess:
