@@ -124,6 +124,8 @@ def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
 
 def describe(exc: BaseException) -> str:
     """A one-line, secret-free description of a client error."""
+    if isinstance(exc, DiscoveryError):
+        return str(exc)
     rpc = _rpc_error(exc)
     if rpc is not None:
         details = rpc.details() or ""
@@ -349,20 +351,23 @@ class Connection:
             raise translate(exc, self.settings.endpoints) from exc
 
     def list_prefix(
-        self, prefix: str, *, page_size: int = _PAGE_SIZE
+        self, prefix: str, *, page_size: int = _PAGE_SIZE, timeout: float | None = None
     ) -> tuple[int, list[KeyValue]]:
         """Read every key under ``prefix`` at one revision, in pages; return (revision, kvs).
 
-        If the revision is compacted between pages the whole read starts again.
+        Each page is retried for up to ``timeout`` seconds (see ``call``). If the revision
+        is compacted between pages the whole read starts again.
         """
         retrying = Retrying(
             retry=retry_if_exception_type(Compacted),
             stop=stop_after_attempt(5),
             reraise=True,
         )
-        return retrying(self._list_once, prefix, page_size)
+        return retrying(self._list_once, prefix, page_size, timeout)
 
-    def _list_once(self, prefix: str, page_size: int) -> tuple[int, list[KeyValue]]:
+    def _list_once(
+        self, prefix: str, page_size: int, timeout: float | None
+    ) -> tuple[int, list[KeyValue]]:
         start = prefix.encode()
         end = prefix_range_end(start)
         revision = 0
@@ -379,7 +384,7 @@ class Connection:
                 raise
 
         while True:
-            page = self.call(lambda c, start=start: read_page(c, start))
+            page = self.call(lambda c, start=start: read_page(c, start), timeout=timeout)
             if not revision:
                 revision = page.header.revision
             found.extend(
@@ -516,6 +521,13 @@ class WatchStream(_Stream):
                 # Time spent by the consumer is not the stream's silence.
                 self._last_seen = time.monotonic()
             raise EtcdUnavailableError("watch stream closed by etcd")
+        except grpc.RpcError as exc:
+            if self.silent:
+                raise EtcdUnavailableError(
+                    f"watch stream silent for {2 * self._heartbeat:g} s (no answer to progress "
+                    "requests); reconnecting"
+                ) from exc
+            raise
         finally:
             self.close()
 

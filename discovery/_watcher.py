@@ -397,7 +397,8 @@ class EndpointWatcher:
             self._last_success = datetime.now(UTC)
 
     def _relist(self) -> None:
-        revision, kvs = self._conn.list_prefix(self.prefix)
+        # One attempt per page: this loop's own backoff retries, and reports, failures.
+        revision, kvs = self._conn.list_prefix(self.prefix, timeout=0)
         fresh: dict[str, _Entry] = {}
         for kv in kvs:
             key = kv.key.decode("utf-8", "backslashreplace")

@@ -1,0 +1,394 @@
+"""Watcher and routing table against real etcd (issue 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+from collections import Counter
+
+import etcd3
+import pytest
+
+from discovery import (
+    Connection,
+    EndpointEvent,
+    EndpointWatcher,
+    EtcdUnavailableError,
+    EventType,
+    RoutingTable,
+    Settings,
+    WatcherState,
+)
+from discovery._codec import EngineRecord, encode
+
+from .helpers import make_endpoint, wait_for
+
+
+def _value(index: int, engine_id: str | None = None, **labels: str) -> bytes:
+    record = EngineRecord(
+        engine_id=engine_id or f"e{index}", endpoint=make_endpoint(index), labels=labels
+    )
+    return encode(record)
+
+
+def _raw(settings: Settings) -> etcd3.MultiEndpointEtcd3Client:
+    return Connection(settings).client()
+
+
+class Recorder:
+    """Collects a watcher's events from a callback, thread-safely."""
+
+    def __init__(self) -> None:
+        self.events: list[EndpointEvent] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, event: EndpointEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def of(self, engine_id: str) -> list[EventType]:
+        with self._lock:
+            return [e.type for e in self.events if e.engine_id == engine_id]
+
+    def check_order(self) -> None:
+        """Revisions never go back, and no (key, revision) pair is delivered twice."""
+        with self._lock:
+            revisions = [e.revision for e in self.events]
+            pairs = Counter((e.key, e.revision) for e in self.events)
+        assert revisions == sorted(revisions)
+        assert max(pairs.values(), default=1) == 1, [p for p, n in pairs.items() if n > 1]
+
+
+def _etcd_state(settings: Settings) -> dict[str, bytes]:
+    with Connection(settings) as conn:
+        _, kvs = conn.list_prefix(settings.keyspace.prefix)
+    return {kv.key.decode().rsplit("/", 1)[1]: kv.value for kv in kvs}
+
+
+def _table_state(table: RoutingTable) -> dict[str, bytes]:
+    return {engine_id: encode(record) for engine_id, record in table.snapshot().items()}
+
+
+def test_events_added_updated_removed_with_last_known_record(settings: Settings) -> None:
+    client = _raw(settings)
+    key = settings.keyspace.key("e1")
+    client.put(key, _value(1))
+    recorder = Recorder()
+    with EndpointWatcher(settings) as watcher:
+        watcher.subscribe(recorder)
+        wait_for(lambda: recorder.of("e1") == [EventType.ADDED], message="snapshot")
+        listed_revision = recorder.events[0].revision
+        assert listed_revision == watcher.revision
+        client.put(key, _value(1, zone="b"))
+        client.delete(key)
+        wait_for(lambda: len(recorder.events) == 3, message="update and delete")
+        added, updated, removed = recorder.events
+        assert updated.type is EventType.UPDATED and updated.labels == {"zone": "b"}
+        assert removed.type is EventType.REMOVED
+        assert removed.record == updated.record  # the last known endpoint
+        assert added.revision < updated.revision < removed.revision
+        assert removed.to_dict()["endpoint"] == make_endpoint(1).to_dict()
+        assert set(removed.to_dict()) == {
+            "type",
+            "engine_id",
+            "key",
+            "revision",
+            "endpoint",
+            "labels",
+        }
+    client.close()
+
+
+def test_snapshot_then_watch_has_no_gap(settings: Settings) -> None:
+    """Records written while the watcher starts all arrive exactly once."""
+    client = _raw(settings)
+    total = 300
+    started = threading.Event()
+
+    def writer() -> None:
+        for i in range(total):
+            client.put(settings.keyspace.key(f"e{i}"), _value(i))
+            if i == 20:
+                started.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    started.wait(10)
+    recorder = Recorder()
+    with EndpointWatcher(settings) as watcher, RoutingTable(watcher) as table:
+        watcher.subscribe(recorder)
+        thread.join()
+        table.wait_until(lambda snap: len(snap) == total, timeout=10)
+        wait_for(lambda: len(recorder.events) == total, message="all events")
+        assert Counter(e.engine_id for e in recorder.events) == Counter(
+            f"e{i}" for i in range(total)
+        )
+        assert {e.type for e in recorder.events} == {EventType.ADDED}
+        recorder.check_order()
+        assert _table_state(table) == _etcd_state(settings)
+    client.close()
+
+
+def test_malformed_values_are_skipped_counted_and_never_break_the_table(settings: Settings) -> None:
+    client = _raw(settings)
+    k = settings.keyspace.key
+    client.put(k("good"), _value(1, "good"))
+    client.put(k("garbage"), b"\x00not json")
+    client.put(k("latin1"), b"\xff\xfe\xfa")
+    bad_policy = json.loads(_value(2))
+    bad_policy["capabilities"]["prefix_caching_coordinator_policy"] = "fastest"
+    bad_policy["engine_id"] = "policy"
+    client.put(k("policy"), json.dumps(bad_policy))
+    client.put(settings.keyspace.prefix + "not/an/id", _value(3, "id"))
+    recorder = Recorder()
+    with EndpointWatcher(settings) as watcher, RoutingTable(watcher) as table:
+        watcher.subscribe(recorder)
+        wait_for(lambda: recorder.of("good") == [EventType.ADDED], message="snapshot")
+        assert watcher.health().skipped == 4
+        assert set(table.snapshot()) == {"good"}
+        # A live engine whose value turns bad is removed; fixing it adds it back.
+        client.put(k("good"), b"{}")
+        wait_for(
+            lambda: recorder.of("good") == [EventType.ADDED, EventType.REMOVED], message="removal"
+        )
+        client.put(k("garbage"), _value(4, "garbage"))
+        wait_for(lambda: recorder.of("garbage") == [EventType.ADDED], message="garbage fixed")
+        client.delete(k("latin1"))  # never valid: nothing to report
+        client.put(k("good"), _value(1, "good"))
+        wait_for(lambda: recorder.of("good")[-1] is EventType.ADDED, message="good again")
+        assert recorder.of("latin1") == []
+        assert watcher.health().skipped == 5
+        assert set(table.snapshot()) == {"good", "garbage"}
+        recorder.check_order()
+    client.close()
+
+
+def test_label_selector(settings: Settings) -> None:
+    client = _raw(settings)
+    k = settings.keyspace.key
+    client.put(k("e1"), _value(1, model="llama", role="decode"))
+    client.put(k("e2"), _value(2, model="mistral", role="decode"))
+    with RoutingTable(settings=settings, selector={"model": "llama"}) as table:
+        assert set(table.snapshot()) == {"e1"}
+        client.put(k("e2"), _value(2, model="llama"))
+        table.wait_until(lambda snap: set(snap) == {"e1", "e2"}, timeout=5)
+        client.put(k("e1"), _value(1, model="other"))
+        table.wait_until(lambda snap: set(snap) == {"e2"}, timeout=5)
+    client.close()
+
+
+def test_iterators_and_stop_leave_nothing_behind(settings: Settings) -> None:
+    client = _raw(settings)
+    client.put(settings.keyspace.key("e1"), _value(1))
+    before = {t.ident for t in threading.enumerate()}
+    watcher = EndpointWatcher(settings).start()
+    received: list[EndpointEvent] = []
+
+    def consume() -> None:
+        received.extend(watcher)  # ends when the watcher stops
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    wait_for(lambda: len(received) == 1, message="snapshot through the iterator")
+
+    async def consume_async() -> list[EventType]:
+        seen = []
+        async for event in watcher:
+            seen.append(event.type)
+            if len(seen) == 2:
+                break
+        return seen
+
+    client.put(settings.keyspace.key("e2"), _value(2))
+    assert asyncio.run(consume_async()) == [EventType.ADDED, EventType.ADDED]
+    watcher.stop()
+    watcher.stop()  # idempotent
+    consumer.join(5)
+    assert not consumer.is_alive()
+    assert [e.engine_id for e in received] == ["e1", "e2"]
+    assert watcher.health().state is WatcherState.STOPPED
+    leftover = [
+        t for t in threading.enumerate() if t.ident not in before and t.name.startswith("discovery")
+    ]
+    assert wait_for(lambda: not [t for t in leftover if t.is_alive()], timeout=5, message="threads")
+    client.close()
+
+
+def test_async_context_manager_and_health(settings: Settings) -> None:
+    async def main() -> None:
+        async with EndpointWatcher(settings) as watcher:
+            health = watcher.health()
+            assert health.state is WatcherState.CONNECTED
+            assert health.revision > 0 and health.last_error is None
+
+    asyncio.run(main())
+
+
+def _writer(settings: Settings, stop: threading.Event, written: dict[str, int]) -> threading.Thread:
+    """Puts new keys until stopped, remembering the revision of every acknowledged put."""
+
+    def run() -> None:
+        with Connection(settings) as conn:
+            i = 0
+            while not stop.is_set():
+                key = settings.keyspace.key(f"w{i}")
+                try:
+                    response = conn.attempt(lambda c, key=key, i=i: c.put(key, _value(i, f"w{i}")))
+                    written[f"w{i}"] = response.header.revision
+                except Exception:
+                    stop.wait(0.05)  # etcd is down on purpose: pace the retries
+                i += 1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _check_nothing_lost(recorder: Recorder, written: dict[str, int]) -> None:
+    recorder.check_order()
+    seen = {(e.engine_id, e.revision) for e in recorder.events if e.type is EventType.ADDED}
+    missing = {(k, r) for k, r in written.items() if (k, r) not in seen}
+    assert not missing, (
+        f"{len(missing)} acknowledged puts never arrived, e.g. {sorted(missing)[:3]}"
+    )
+
+
+def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
+    settings = Settings(endpoints=etcd.endpoints, namespace="restart", dial_timeout=10)
+    stop, written = threading.Event(), {}
+    recorder = Recorder()
+    with EndpointWatcher(settings, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
+        watcher.subscribe(recorder)
+        thread = _writer(settings, stop, written)
+        wait_for(lambda: len(written) > 50, message="writes before the restart")
+        etcd.restart(etcd.members[0], kill=True)
+        count = len(written)
+        wait_for(lambda: len(written) > count + 50, timeout=15, message="writes after the restart")
+        stop.set()
+        thread.join(10)
+        wait_for(
+            lambda: _table_state(table) == _etcd_state(settings),
+            timeout=10,
+            message="table == etcd",
+        )
+        assert watcher.health().reconnects >= 1
+        assert watcher.health().state is WatcherState.CONNECTED
+    _check_nothing_lost(recorder, written)
+
+
+def test_leader_kill_on_three_members_loses_nothing(etcd3) -> None:
+    settings = Settings(endpoints=etcd3.endpoints, namespace="leader", dial_timeout=10)
+    stop, written = threading.Event(), {}
+    recorder = Recorder()
+    with EndpointWatcher(settings, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
+        watcher.subscribe(recorder)
+        thread = _writer(settings, stop, written)
+        wait_for(lambda: len(written) > 50, message="writes before the kill")
+        leader = etcd3.leader()
+        leader.stop(kill=True)
+        count = len(written)
+        wait_for(lambda: len(written) > count + 50, timeout=15, message="writes under a new leader")
+        leader.start()
+        etcd3.wait_healthy(members=[leader])
+        stop.set()
+        thread.join(10)
+        wait_for(
+            lambda: _table_state(table) == _etcd_state(settings),
+            timeout=10,
+            message="table == etcd",
+        )
+    _check_nothing_lost(recorder, written)
+
+
+def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
+    """The watcher talks to one member; while it is down the others change and compact."""
+    member = etcd3.members[0]
+    lonely = Settings(endpoints=[member.client_url], namespace="compact", dial_timeout=10)
+    others = Settings(endpoints=[m.client_url for m in etcd3.members[1:]], namespace="compact")
+    client = _raw(others)
+    k = others.keyspace.key
+    for i in range(4):
+        client.put(k(f"e{i}"), _value(i))
+    recorder = Recorder()
+    with EndpointWatcher(lonely, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
+        watcher.subscribe(recorder)
+        wait_for(lambda: len(recorder.events) == 4, message="snapshot")
+        member.stop(kill=True)
+        wait_for(lambda: watcher.health().state is WatcherState.RECONNECTING, message="disconnect")
+        client.delete(k("e0"))  # removed while away: must be reported
+        client.put(k("e1"), _value(1, zone="new"))  # updated
+        client.put(k("e4"), _value(4))  # added
+        client.put(k("e5"), _value(5))
+        client.delete(k("e5"))  # came and went while away: nothing to report
+        revision = client.get_response(k("e4")).header.revision
+        client.compact(revision, physical=True)
+        member.start()
+        etcd3.wait_healthy(members=[member])
+        wait_for(lambda: watcher.health().relists == 1, timeout=15, message="relist")
+        wait_for(lambda: len(recorder.events) == 7, message="diff events")
+        diff = {(e.type, e.engine_id) for e in recorder.events[4:]}
+        assert diff == {
+            (EventType.REMOVED, "e0"),
+            (EventType.UPDATED, "e1"),
+            (EventType.ADDED, "e4"),
+        }
+        assert len({e.revision for e in recorder.events[4:]}) == 1  # one atomic batch
+        assert set(table.snapshot()) == {"e1", "e2", "e3", "e4"}
+        recorder.check_order()
+    client.close()
+
+
+def test_frozen_etcd_is_detected_by_the_watchdog(etcd) -> None:
+    """SIGSTOP keeps TCP open but silent: only the watchdog can notice."""
+    settings = Settings(endpoints=etcd.endpoints, namespace="frozen", dial_timeout=10)
+    client = _raw(settings)
+    process = etcd.members[0].process
+    with EndpointWatcher(settings, heartbeat=0.5) as watcher, RoutingTable(watcher) as table:
+        process.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: watcher.health().state is WatcherState.RECONNECTING,
+                timeout=5,
+                message="the watchdog to give up on the silent stream",
+            )
+            assert "silent" in watcher.health().last_error
+        finally:
+            process.send_signal(signal.SIGCONT)
+        client.put(settings.keyspace.key("e1"), _value(1))
+        table.wait_until(lambda snap: "e1" in snap, timeout=10)
+        assert watcher.health().state is WatcherState.CONNECTED
+    client.close()
+
+
+def test_start_fails_clearly_without_etcd() -> None:
+    settings = Settings(endpoints=["http://127.0.0.1:9"], dial_timeout=1)
+    watcher = EndpointWatcher(settings)
+    with pytest.raises(EtcdUnavailableError, match=r"127\.0\.0\.1:9"):
+        watcher.start()
+    assert watcher.health().state is WatcherState.STOPPED
+
+
+def test_table_listeners_get_each_batch_with_its_snapshot(settings: Settings) -> None:
+    client = _raw(settings)
+    seen: list[tuple[list[str], int]] = []
+    with RoutingTable(settings=settings) as table:
+        table.subscribe(
+            lambda events, snap: seen.append(([e.engine_id for e in events], len(snap)))
+        )
+        ok, _ = client.transaction(
+            compare=[],
+            success=[
+                client.transactions.put(settings.keyspace.key(f"e{i}"), _value(i)) for i in range(3)
+            ],
+            failure=[],
+        )
+        assert ok
+        wait_for(lambda: seen, message="one batch")
+        assert seen == [(["e0", "e1", "e2"], 3)]  # one revision, applied atomically
+        assert table.get("e1").endpoint == make_endpoint(1)
+        assert "e2" in table and len(table) == 3
+        with pytest.raises(TimeoutError):
+            table.wait_until(lambda snap: "e9" in snap, timeout=0.2)
+    client.close()
