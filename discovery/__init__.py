@@ -19,6 +19,7 @@ from ._errors import (
     EtcdError,
     EtcdUnavailableError,
     InvalidRecordError,
+    NoEngineAvailableError,
     PermissionDeniedError,
     RecordDecodeError,
 )
@@ -31,6 +32,7 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
+from ._router import PickHandle, Router, RoutingPolicy
 from ._routing import RoutingSnapshot, RoutingTable
 from ._settings import Settings
 from ._signals import deregister_on_signals
@@ -57,12 +59,16 @@ __all__ = [
     "InferenceEngineEndpoint",
     "InvalidRecordError",
     "KeySpace",
+    "NoEngineAvailableError",
     "PermissionDeniedError",
+    "PickHandle",
     "PrefixCachingCoordinatorPolicy",
     "RecordDecodeError",
     "Registration",
     "RegistrationHealth",
     "RegistrationState",
+    "Router",
+    "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",
     "Settings",

@@ -8,6 +8,7 @@
     │   ├── EtcdUnavailableError            no member reachable / timed out after retries
     │   ├── PermissionDeniedError           authentication failed or the role lacks permission
     │   └── EngineConflictError             the engine id is held by another live lease
+    ├── NoEngineAvailableError              no engine in the routing table can serve a request
     └── ClosedError (RuntimeError)          misuse: an object used after close()/stop()
 
 Record validation itself keeps Megatron-Core's types (``TypeError``/``ValueError``/
@@ -24,6 +25,7 @@ __all__ = [
     "EtcdError",
     "EtcdUnavailableError",
     "InvalidRecordError",
+    "NoEngineAvailableError",
     "PermissionDeniedError",
     "RecordDecodeError",
 ]
@@ -75,6 +77,10 @@ class EngineConflictError(EtcdError):
         self.key = key
         self.lease_id = lease_id
         self.remaining_ttl = remaining_ttl
+
+
+class NoEngineAvailableError(DiscoveryError):
+    """No engine passes a pick's filters; the message names the filter that emptied the set."""
 
 
 class ClosedError(DiscoveryError, RuntimeError):

@@ -1,0 +1,240 @@
+"""Router benchmark: pick latency per policy and load spread under a closed loop.
+
+Run: ``.venv/bin/python bench/bench_router.py`` (add ``--quick`` for a smoke run). Prints a
+table and appends a dated section to bench/RESULTS.md. No etcd: the routing table is fed
+in memory, as the watcher would feed it.
+
+* Latency: ``time.perf_counter_ns`` around each ``pick()`` (release is outside the timed
+  span), over prompts of 1024 tokens (2 shared system blocks + 2 own blocks, block size 256).
+* Spread: a discrete-event closed loop over the same prompts (32 shared system prompts,
+  Zipf-like popularity) and over distinct prompts. Clients at 75% of the fleet's slots
+  each send a request, hold the handle for an exponentially distributed time, release it
+  and send the next. After a warm-up, every 16th event samples max / mean in-flight over
+  the engines; the table shows the average of that ratio (1.00 = even) and its peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from discovery import (  # after the path tweak: runs from a checkout
+    EndpointEvent,
+    EventType,
+    InferenceEngineCapabilities,
+    InferenceEngineEndpoint,
+    PrefixCachingCoordinatorPolicy,
+    Router,
+    RoutingPolicy,
+    RoutingTable,
+)
+from discovery._codec import EngineRecord
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SIZES = (8, 64, 512)
+BLOCK = 256
+SLOTS = 64
+TARGETS = {  # (policy, engines) -> median target in microseconds
+    ("round_robin", 8): 5.0,
+    ("round_robin", 64): 5.0,
+    ("round_robin", 512): 5.0,
+    ("first_prefix_block", 64): 30.0,
+}
+
+
+def make_table(engines: int) -> RoutingTable:
+    watcher = SimpleNamespace(add_sink=lambda sink: lambda: None)
+    table = RoutingTable(watcher=watcher)  # type: ignore[arg-type]
+    caps = InferenceEngineCapabilities(
+        context_length=8192,
+        kv_cache_block_size=BLOCK,
+        total_kv_blocks=4000,
+        max_num_seqs=SLOTS,
+        max_num_batched_tokens=8192,
+        bos_token_id=1,
+        enable_prefix_caching=True,
+        prefix_caching_coordinator_policy=PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+    )
+    events = []
+    for i in range(engines):
+        address = f"tcp://10.0.{i // 250}.{i % 250}:5555"
+        record = EngineRecord(f"engine-{i:03d}", InferenceEngineEndpoint(address, caps))
+        events.append(EndpointEvent(EventType.ADDED, f"/k/{record.engine_id}", 1, record))
+    table.deliver(tuple(events))
+    return table
+
+
+def make_prompts(count: int, systems: int, rng: random.Random) -> list[list[int]]:
+    """Prompts of 4 blocks: one of ``systems`` shared 2-block prefixes, then 2 own blocks."""
+    if not systems:
+        return [[rng.randrange(32000) for _ in range(4 * BLOCK)] for _ in range(count)]
+    shared = [[rng.randrange(32000) for _ in range(2 * BLOCK)] for _ in range(systems)]
+    weights = [1 / (rank + 1) for rank in range(systems)]  # Zipf-like popularity
+    return [
+        rng.choices(shared, weights)[0] + [rng.randrange(32000) for _ in range(2 * BLOCK)]
+        for _ in range(count)
+    ]
+
+
+def pick_latency(engines: int, policy: str, prompts: list[list[int]], picks: int) -> list[int]:
+    router = Router(make_table(engines), policy=policy)
+    for prompt in prompts[:500]:  # warm-up: the router's derived state and the index
+        router.pick(prompt, 128).release()
+    samples = []
+    clock = time.perf_counter_ns
+    gc.collect()
+    for i in range(picks):
+        prompt = prompts[i % len(prompts)]
+        start = clock()
+        handle = router.pick(prompt, 128)
+        samples.append(clock() - start)
+        handle.release()
+    return samples
+
+
+def load_spread(
+    engines: int, policy: str, prompts: list[list[int]], steps: int, rng: random.Random
+) -> tuple[float, float]:
+    router = Router(make_table(engines), policy=policy)
+    concurrency = engines * SLOTS * 3 // 4
+    now = 0.0
+    heap: list[tuple[float, int, object]] = []
+    counter = 0
+    for _ in range(concurrency):
+        handle = router.pick(prompts[counter % len(prompts)], 128)
+        heapq.heappush(heap, (rng.expovariate(1.0), counter, handle))
+        counter += 1
+    ratios = []
+    for step in range(steps):
+        now, _, done = heapq.heappop(heap)
+        done.release()  # type: ignore[attr-defined]
+        handle = router.pick(prompts[counter % len(prompts)], 128)
+        heapq.heappush(heap, (now + rng.expovariate(1.0), counter, handle))
+        counter += 1
+        if step >= steps // 4 and step % 16 == 0:  # after warm-up, every 16th event
+            loads = router.in_flight().values()
+            ratios.append(max(loads) / (sum(loads) / len(loads)))
+    return statistics.fmean(ratios), max(ratios)
+
+
+def index_bytes_per_entry(prompts: list[list[int]]) -> tuple[int, float]:
+    router = Router(make_table(64), policy="longest_prefix")
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for prompt in prompts:
+        router.pick(prompt, 128).release()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    index_file = str(Path(__file__).resolve().parent.parent / "discovery" / "_router.py")
+    grown = sum(
+        stat.size_diff
+        for stat in after.compare_to(before, "filename")
+        if stat.traceback[0].filename == index_file
+    )
+    entries = len(router._index)
+    return entries, grown / max(entries, 1)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples, no RESULTS.md")
+    args = parser.parse_args()
+    picks = 2_000 if args.quick else 20_000
+    steps = 4_000 if args.quick else 40_000
+    rng = random.Random(1234)
+    prompts = make_prompts(4096, 32, rng)
+    policies = [p.value for p in RoutingPolicy]
+
+    latency: dict[tuple[str, int], tuple[float, float]] = {}
+    for engines in SIZES:
+        for policy in policies:
+            samples = sorted(pick_latency(engines, policy, prompts, picks))
+            p50 = samples[len(samples) // 2] / 1000
+            p99 = samples[int(len(samples) * 0.99)] / 1000
+            latency[policy, engines] = (p50, p99)
+    spread = {
+        (policy, engines): load_spread(engines, policy, prompts, steps, random.Random(7))
+        for engines in (8, 64)
+        for policy in policies
+    }
+    # Without shared system prompts every first block is distinct: rendezvous balance alone.
+    distinct = make_prompts(4096, 0, rng)
+    for policy in policies:
+        spread[policy, "distinct"] = load_spread(64, policy, distinct, steps, random.Random(7))
+    entries, per_entry = index_bytes_per_entry(prompts)
+
+    lines = [
+        "pick latency in microseconds (median / p99); load spread = max/mean in-flight,",
+        f"closed loop at 75% of {SLOTS} slots per engine (time-averaged / peak); @64 distinct:",
+        "no shared system prompts (every first block differs)",
+        "",
+        f"{'policy':<20}"
+        + "".join(f"{f'{n} engines':>16}" for n in SIZES)
+        + f"{'spread @8':>14}{'spread @64':>14}{'@64 distinct':>14}",
+    ]
+    for policy in policies:
+        cells = "".join(
+            f"{latency[policy, n][0]:>8.1f} /{latency[policy, n][1]:>6.1f}" for n in SIZES
+        )
+        spreads = "".join(
+            f"{spread[policy, n][0]:>7.2f} /{spread[policy, n][1]:>5.2f}"
+            for n in (8, 64, "distinct")
+        )
+        lines.append(f"{policy:<20}{cells}{spreads}")
+    lines.append("")
+    for (policy, engines), target in TARGETS.items():
+        p50 = latency[policy, engines][0]
+        verdict = "ok" if p50 <= target else "MISSED"
+        lines.append(f"target {policy} @ {engines}: median {p50:.1f} <= {target:.0f} us: {verdict}")
+    lines.append(f"longest-prefix index: {entries} entries, ~{per_entry:.0f} bytes per entry")
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    lines.append(f"load average during the run: {load}")
+    report = "\n".join(lines)
+    print(report)
+
+    if args.quick:
+        return
+    if not RESULTS.exists():
+        RESULTS.write_text(
+            "# Benchmark results\n\n"
+            f"Machine: {os.cpu_count()} cores, {cpu_model()}, Python "
+            f"{platform.python_version()} ({platform.python_implementation()}), "
+            f"{platform.system()} {platform.release()}. The machine may be shared with other "
+            "test runs; each section notes the load average it saw.\n"
+        )
+    stamp = datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    with RESULTS.open("a") as out:
+        out.write(
+            f"\n## bench_router.py, {stamp}\n\n"
+            f"Python {platform.python_version()}, {os.cpu_count()} cores, {cpu_model()}; "
+            f"{picks} picks per cell, {steps} closed-loop events per spread cell.\n\n"
+            f"```\n{report}\n```\n"
+        )
+    print(f"\nappended to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,658 @@
+"""Client-side routing on the live table (issue 5).
+
+Unit tests feed a RoutingTable directly (``table.deliver``) with a stub watcher, so they
+need no etcd; the last tests use the shared etcd fixtures.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import discovery
+from discovery import (
+    DiscoveryError,
+    EndpointEvent,
+    EventType,
+    NoEngineAvailableError,
+    PickHandle,
+    PrefixCachingCoordinatorPolicy,
+    Router,
+    RoutingPolicy,
+    RoutingTable,
+    Settings,
+    register_engine,
+)
+from discovery._codec import EngineRecord
+
+from .helpers import make_endpoint
+
+FPB = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK
+LP = PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
+LB = PrefixCachingCoordinatorPolicy.LOAD_BALANCED
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "routing.md"
+
+
+class Fleet:
+    """A RoutingTable fed by hand, one batch (= one revision) per call."""
+
+    def __init__(self) -> None:
+        watcher = SimpleNamespace(
+            add_sink=lambda sink: lambda: None, start=lambda wait=True: None, stop=lambda: None
+        )
+        self.table = RoutingTable(watcher=watcher)
+        self.records: dict[str, EngineRecord] = {}
+        self.revision = 0
+
+    def _deliver(self, *events: tuple[EventType, EngineRecord]) -> None:
+        self.revision += 1
+        self.table.deliver(
+            tuple(
+                EndpointEvent(kind, f"/k/{record.engine_id}", self.revision, record)
+                for kind, record in events
+            )
+        )
+
+    def add(
+        self,
+        engine_id: str,
+        index: int = 0,
+        labels: dict[str, str] | None = None,
+        policy: PrefixCachingCoordinatorPolicy | None = FPB,
+        **caps,
+    ) -> EngineRecord:
+        kind = EventType.UPDATED if engine_id in self.records else EventType.ADDED
+        record = EngineRecord(engine_id, make_endpoint(index, policy, **caps), labels or {})
+        self.records[engine_id] = record
+        self._deliver((kind, record))
+        return record
+
+    def add_many(
+        self, count: int, policy: PrefixCachingCoordinatorPolicy | None = FPB, **caps
+    ) -> list[str]:
+        """Add ``count`` engines e000, e001, ... in one batch."""
+        ids = [f"e{i:03d}" for i in range(count)]
+        for i, engine_id in enumerate(ids):
+            self.records[engine_id] = EngineRecord(engine_id, make_endpoint(i, policy, **caps))
+        self._deliver(*((EventType.ADDED, self.records[engine_id]) for engine_id in ids))
+        return ids
+
+    def remove(self, engine_id: str) -> None:
+        self._deliver((EventType.REMOVED, self.records.pop(engine_id)))
+
+
+def tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(32000) for _ in range(count)]
+
+
+def picks(router: Router, prompt: Sequence[int], count: int, max_tokens: int = 16) -> Counter:
+    chosen: Counter = Counter()
+    for _ in range(count):
+        with router.pick(prompt, max_tokens) as handle:
+            chosen[handle.engine_id] += 1
+    return chosen
+
+
+# -- surface ---------------------------------------------------------------------------
+
+
+def test_public_names_and_error_hierarchy() -> None:
+    for name in ("Router", "RoutingPolicy", "PickHandle", "NoEngineAvailableError"):
+        assert name in discovery.__all__
+    assert issubclass(NoEngineAvailableError, DiscoveryError)
+    assert [p.value for p in RoutingPolicy] == [
+        "round_robin",
+        "load_balanced",
+        "first_prefix_block",
+        "longest_prefix",
+        "auto",
+    ]
+    # The three advertised policies use Megatron's own values.
+    assert {p.value for p in PrefixCachingCoordinatorPolicy} <= {p.value for p in RoutingPolicy}
+
+
+def test_bad_arguments_are_rejected() -> None:
+    fleet = Fleet()
+    fleet.add("a")
+    with pytest.raises(ValueError, match=r"unknown routing policy 'fastest'.*round_robin"):
+        Router(fleet.table, policy="fastest")
+    with pytest.raises(ValueError, match="load_gap"):
+        Router(fleet.table, load_gap=-0.1)
+    with pytest.raises(ValueError, match="load_gap"):
+        Router(fleet.table, load_gap=float("nan"))
+    with pytest.raises(ValueError, match="prefix_index_blocks"):
+        Router(fleet.table, prefix_index_blocks=0)
+    with pytest.raises(TypeError, match="prefix_index_blocks"):
+        Router(fleet.table, prefix_index_blocks=True)
+    router = Router(fleet.table, policy="round_robin")
+    assert router.policy is RoutingPolicy.ROUND_ROBIN
+    with pytest.raises(ValueError, match="max_tokens"):
+        router.pick([1, 2], -1)
+    with pytest.raises(TypeError, match="max_tokens"):
+        router.pick([1, 2], True)
+    with pytest.raises(ValueError, match="64-bit"):
+        Router(fleet.table, policy="first_prefix_block").pick([2**70] * 300, 1)
+    assert router.in_flight() == {"a": 0}, "a failed pick must not leak a count"
+
+
+def test_handle_is_an_idempotent_context_manager() -> None:
+    fleet = Fleet()
+    record = fleet.add("a")
+    router = Router(fleet.table, policy="round_robin")
+    with router.pick([1, 2, 3], 10) as handle:
+        assert isinstance(handle, PickHandle)
+        assert handle.engine_id == "a"
+        assert handle.record is record
+        assert handle.endpoint.coordinator_address == record.endpoint.coordinator_address
+        assert handle.policy is RoutingPolicy.ROUND_ROBIN
+        assert not handle.released
+        assert router.in_flight() == {"a": 1}
+        assert "held" in repr(handle)
+    assert handle.released
+    assert router.in_flight() == {"a": 0}
+    handle.release()
+    handle.release()
+    assert router.in_flight() == {"a": 0}, "a second release must not count twice"
+
+
+# -- policies --------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_through_every_engine() -> None:
+    fleet = Fleet()
+    ids = fleet.add_many(3)
+    router = Router(fleet.table, policy=RoutingPolicy.ROUND_ROBIN)
+    order = []
+    for _ in range(9):
+        with router.pick([1] * 10, 1) as handle:
+            order.append(handle.engine_id)
+    assert sorted(order[:3]) == ids
+    assert order[:3] * 3 == order
+
+
+def test_load_balanced_fills_in_proportion_to_slots() -> None:
+    fleet = Fleet()
+    fleet.add("small", 0, max_num_seqs=32)
+    fleet.add("large", 1, max_num_seqs=64)
+    fleet.add("dp", 2, max_num_seqs=16, logical_data_parallel_size=2)  # 32 slots in all
+    router = Router(fleet.table, policy="load_balanced")
+    held = [router.pick([1] * 50, 10) for _ in range(128)]
+    assert all(h.policy is RoutingPolicy.LOAD_BALANCED for h in held)
+    assert router.in_flight() == {"small": 32, "large": 64, "dp": 32}
+    # Freeing slots on one engine sends the next requests there.
+    for handle in [h for h in held if h.engine_id == "large"][:10]:
+        handle.release()
+    assert Counter(router.pick([1], 1).engine_id for _ in range(10)) == {"large": 10}
+
+
+def test_load_balanced_rotates_exact_ties() -> None:
+    fleet = Fleet()
+    fleet.add_many(4)
+    router = Router(fleet.table, policy="load_balanced")
+    chosen = picks(router, [1, 2, 3], 400)
+    assert sorted(chosen.values()) == [100, 100, 100, 100], chosen
+
+
+def test_first_prefix_block_keeps_a_first_block_on_one_engine() -> None:
+    fleet = Fleet()
+    fleet.add_many(8)  # block size 256
+    router = Router(fleet.table, policy="first_prefix_block")
+    rng = random.Random(5)
+    for _ in range(20):
+        block = tokens(rng, 256)
+        targets = set()
+        for _ in range(5):
+            with router.pick(block + tokens(rng, rng.randrange(0, 600)), 16) as handle:
+                assert handle.policy is RoutingPolicy.FIRST_PREFIX_BLOCK
+                targets.add(handle.engine_id)
+        assert len(targets) == 1
+    # Shorter than one block: nothing cacheable, so it is load-balanced.
+    with router.pick(tokens(rng, 255), 16) as handle:
+        assert handle.policy is RoutingPolicy.LOAD_BALANCED
+
+
+_CROSS_PROCESS = """
+import random, sys, types
+sys.path.insert(0, {root!r})
+from tests.test_router import Fleet
+from discovery import Router
+fleet = Fleet()
+fleet.add_many(16)
+router = Router(fleet.table, policy="first_prefix_block")
+rng = random.Random(11)
+print(",".join(router.pick([rng.randrange(32000) for _ in range(300)], 1).engine_id
+               for _ in range(200)))
+"""
+
+
+def test_first_prefix_block_is_deterministic_across_processes() -> None:
+    root = str(Path(__file__).resolve().parent.parent)
+    script = _CROSS_PROCESS.format(root=root)
+    outputs = set()
+    for seed in ("1", "2", "random"):
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        outputs.add(result.stdout.strip())
+    assert len(outputs) == 1
+    assert len(set(outputs.pop().split(","))) == 16, "200 prompts should reach all 16 engines"
+
+
+def test_block_hashes_are_chained_and_pinned() -> None:
+    from discovery._router import _block_hashes, _first_block_key  # noqa: PLC0415
+
+    prompt = list(range(40))
+    chain = _block_hashes(prompt, 16)
+    assert len(chain) == 2, "only complete blocks are hashed"
+    assert chain[0] == _first_block_key(prompt, 16)
+    assert chain[1] == _first_block_key(prompt[:32], 32), "hash i covers blocks 0..i"
+    assert _block_hashes(prompt[:15], 16) == []
+    # Pinned: a change here silently reshuffles every deployed router's affinity.
+    assert _first_block_key(list(range(4)), 4) == 17669206415998143099
+
+
+def test_rendezvous_remaps_only_the_removed_engines_share() -> None:
+    engines, prompts = 10, 12_000
+    fleet = Fleet()
+    ids = fleet.add_many(engines, kv_cache_block_size=16)
+    router = Router(fleet.table, policy="first_prefix_block")
+    rng = random.Random(7)
+    workload = [tokens(rng, 16) for _ in range(prompts)]
+
+    def assign() -> list[str]:
+        out = []
+        for prompt in workload:
+            with router.pick(prompt, 1) as handle:
+                out.append(handle.engine_id)
+        return out
+
+    before = assign()
+    shares = Counter(before)
+    assert set(shares) == set(ids)
+    spread = max(shares.values()) / min(shares.values())
+    gone = ids[3]
+    fleet.remove(gone)
+    after = assign()
+    moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+    fraction = len(moved) / prompts
+    print(f"\nrendezvous, {engines} engines, {prompts} prompts: remapped {fraction:.4f} on removal")
+    print(f"(ideal 1/N = {1 / engines:.4f}); share max/min before removal {spread:.3f}")
+    # Exactly the removed engine's prompts move, and that share is about 1/N.
+    assert {before[i] for i in moved} == {gone}
+    assert len(moved) == shares[gone]
+    assert 0.8 / engines <= fraction <= 1.2 / engines
+    assert spread < 1.25
+    # Its prompts spread over the survivors, not onto one neighbour.
+    assert len({after[i] for i in moved}) == engines - 1
+    # Adding it back restores the original mapping exactly.
+    fleet.add(gone, 3, kv_cache_block_size=16)
+    assert assign() == before
+
+
+def test_longest_prefix_follows_the_longest_match() -> None:
+    fleet = Fleet()
+    fleet.add_many(4, kv_cache_block_size=16, policy=LP)
+    router = Router(fleet.table, policy="longest_prefix")
+    rng = random.Random(3)
+    system = tokens(rng, 48)  # 3 blocks
+    with router.pick(system + tokens(rng, 40), 8) as first:
+        assert first.policy is RoutingPolicy.LOAD_BALANCED, "nothing to match yet"
+        assert first.matched_tokens == 0
+    # Same three leading blocks, another suffix: the same engine, 3 blocks matched.
+    with router.pick(system + tokens(rng, 40), 8) as second:
+        assert second.engine_id == first.engine_id
+        assert second.policy is RoutingPolicy.LONGEST_PREFIX
+        assert second.matched_tokens == 48
+    # A longer match on another engine wins over a shorter one.
+    other = tokens(rng, 16)
+    with router.pick(system[:16] + other, 8) as third:
+        pass  # one block matches the first engine; routed there and recorded
+    assert third.engine_id == first.engine_id
+    assert third.matched_tokens == 16
+
+
+def test_longest_prefix_falls_back_past_the_load_gap() -> None:
+    fleet = Fleet()
+    fleet.add_many(2, kv_cache_block_size=16, max_num_seqs=8, policy=LP)
+    router = Router(fleet.table, policy="longest_prefix", load_gap=0.25)
+    prompt = list(range(64))
+    held = [router.pick(prompt, 1)]
+    home = held[0].engine_id
+    # Gap = in_flight / 8 on home vs 0 elsewhere: 1/8 and 2/8 are within 0.25 ...
+    held += [router.pick(prompt, 1) for _ in range(2)]
+    assert {h.engine_id for h in held} == {home}
+    assert [h.policy for h in held[1:]] == [RoutingPolicy.LONGEST_PREFIX] * 2
+    # ... 3/8 is past it: load-balance, and remember the prefix there too.
+    spill = router.pick(prompt, 1)
+    assert spill.engine_id != home
+    assert spill.policy is RoutingPolicy.LOAD_BALANCED
+    held.pop().release()
+    spill.release()
+    # Both engines now hold the prefix; among them the less loaded one wins.
+    with router.pick(prompt, 1) as again:
+        assert again.engine_id == spill.engine_id
+        assert again.policy is RoutingPolicy.LONGEST_PREFIX
+        assert again.matched_tokens == 64
+    for handle in held:
+        handle.release()
+
+
+def test_prefix_index_is_bounded_per_engine() -> None:
+    fleet = Fleet()
+    fleet.add("a", 0, kv_cache_block_size=4, policy=LP)
+    fleet.add("b", 1, kv_cache_block_size=4, total_kv_blocks=5, policy=LP)
+    router = Router(fleet.table, policy="longest_prefix", prefix_index_blocks=12)
+    rng = random.Random(1)
+    for _ in range(200):
+        router.pick(tokens(rng, 16), 1).release()  # 4 blocks each
+    lrus = router._index._lru
+    assert len(lrus["a"]) == 12
+    assert len(lrus["b"]) == 5, "total_kv_blocks caps the index below prefix_index_blocks"
+    assert len(router._index._owners) == 17, "the reverse map holds only what an LRU holds"
+    fleet.remove("a")
+    router.in_flight()  # any call syncs with the table
+    assert set(lrus) == {"b"}
+    assert len(router._index._owners) == 5
+
+
+def _simulate(router: Router, workload: list[list[int]], block: int, cache_blocks: int) -> float:
+    """Closed loop: keep 48 requests in flight; each engine keeps an LRU prefix cache.
+
+    Returns the fraction of prompt blocks found in the chosen engine's cache (consecutive
+    from the start, as prefix caching does).
+    """
+    caches: dict[str, OrderedDict] = {}
+    rng = random.Random(0)
+    held: list[PickHandle] = []
+    hits = total = 0
+    for prompt in workload:
+        if len(held) >= 48:
+            held.pop(rng.randrange(len(held))).release()
+        handle = router.pick(prompt, 32)
+        held.append(handle)
+        cache = caches.setdefault(handle.engine_id, OrderedDict())
+        keys = [tuple(prompt[: (i + 1) * block]) for i in range(len(prompt) // block)]
+        prefix_hit = True
+        for key in keys:
+            prefix_hit = prefix_hit and key in cache
+            hits += prefix_hit
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > cache_blocks:
+            cache.popitem(last=False)
+        total += len(keys)
+    for handle in held:
+        handle.release()
+    return hits / total
+
+
+def test_longest_prefix_hit_rate_beats_round_robin_on_shared_system_prompts() -> None:
+    block, cache_blocks = 16, 64
+    rng = random.Random(42)
+    # 48 system prompts of 4 blocks, Zipf-like popularity; each request adds 2 blocks of
+    # its own, so at most 4/6 of the blocks can hit. Each engine caches 64 blocks: all
+    # system prompts fit in the fleet's caches (8 * 64), not in any one engine's.
+    systems = [tokens(rng, 4 * block) for _ in range(48)]
+    weights = [1 / (rank + 1) for rank in range(len(systems))]
+    workload = [
+        rng.choices(systems, weights)[0] + tokens(rng, 2 * block + rng.randrange(block))
+        for _ in range(6000)
+    ]
+    rates = {}
+    for policy in ("round_robin", "load_balanced", "first_prefix_block", "longest_prefix"):
+        fleet = Fleet()
+        fleet.add_many(8, kv_cache_block_size=block, max_num_seqs=16, policy=LP)
+        router = Router(fleet.table, policy=policy)
+        rates[policy] = _simulate(router, workload, block, cache_blocks)
+    print("\nprefix-cache hit rate, 8 engines, 48 shared system prompts (ceiling 0.667):")
+    for policy, rate in rates.items():
+        print(f"  {policy:<20} {rate:.3f}")
+    # Measured: round robin 0.32, load balanced 0.32, first block 0.62, longest prefix 0.55
+    # (below first block because the load-gap fallback spreads the hottest prompts).
+    assert rates["longest_prefix"] >= 0.45
+    assert rates["longest_prefix"] >= rates["round_robin"] + 0.15
+    assert rates["longest_prefix"] >= rates["load_balanced"] + 0.15
+    assert rates["first_prefix_block"] >= rates["round_robin"] + 0.15
+
+
+# -- auto ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("advertised", "expected"),
+    [
+        (FPB, RoutingPolicy.FIRST_PREFIX_BLOCK),
+        (LP, RoutingPolicy.LONGEST_PREFIX),
+        (LB, RoutingPolicy.LOAD_BALANCED),
+        (None, RoutingPolicy.LOAD_BALANCED),
+    ],
+)
+def test_auto_follows_the_advertised_policy(advertised, expected) -> None:
+    fleet = Fleet()
+    fleet.add_many(3, kv_cache_block_size=4, policy=advertised)
+    router = Router(fleet.table)
+    assert router.policy is RoutingPolicy.AUTO
+    prompt = list(range(12))
+    router.pick(prompt, 1).release()  # seeds the longest-prefix index
+    with router.pick(prompt, 1) as handle:
+        assert handle.policy is expected
+
+
+def test_auto_load_balances_engines_without_prefix_caching() -> None:
+    fleet = Fleet()
+    fleet.add_many(3, enable_prefix_caching=False, policy=FPB)
+    with Router(fleet.table).pick(list(range(600)), 1) as handle:
+        assert handle.policy is RoutingPolicy.LOAD_BALANCED
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        {"policy": LP},  # another policy
+        {"policy": FPB, "kv_cache_block_size": 128},  # another block size
+        {"policy": FPB, "enable_prefix_caching": False},  # no prefix caching
+    ],
+)
+def test_auto_never_mixes_hash_spaces_silently(second, caplog) -> None:
+    fleet = Fleet()
+    fleet.add("a", 0, labels={"pool": "x"}, policy=FPB)
+    fleet.add("b", 1, labels={"pool": "y"}, **second)
+    router = Router(fleet.table)
+    prompt = list(range(600))
+    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+        chosen = picks(router, prompt, 10)
+        policies = {router.pick(prompt, 1).policy for _ in range(3)}
+    assert policies == {RoutingPolicy.LOAD_BALANCED}
+    assert set(chosen) == {"a", "b"}, "mixed engines are load-balanced together"
+    warnings = [r for r in caplog.records if "different routing" in r.getMessage()]
+    assert len(warnings) == 1, "logged once"
+    assert "first_prefix_block (256-token blocks): 1 engines" in warnings[0].getMessage()
+    # A selector that isolates one group follows that group's policy again.
+    with router.pick(prompt, 1, selector={"pool": "x"}) as handle:
+        assert handle.policy is RoutingPolicy.FIRST_PREFIX_BLOCK
+
+
+def test_explicit_first_prefix_block_hashes_the_smallest_block(caplog) -> None:
+    fleet = Fleet()
+    fleet.add("a", 0, kv_cache_block_size=16)
+    fleet.add("b", 1, kv_cache_block_size=32)
+    router = Router(fleet.table, policy="first_prefix_block")
+    rng = random.Random(2)
+    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+        for _ in range(20):
+            first = tokens(rng, 16)
+            assert len(set(picks(router, first + tokens(rng, 40), 3))) == 1
+    assert sum("smallest" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- filters ---------------------------------------------------------------------------
+
+
+def test_label_selectors_filter_before_the_policy() -> None:
+    fleet = Fleet()
+    fleet.add("p1", 0, labels={"model": "llama", "role": "prefill", "zone": "a"})
+    fleet.add("d1", 1, labels={"model": "llama", "role": "decode", "zone": "a"})
+    fleet.add("d2", 2, labels={"model": "llama", "role": "decode", "zone": "b"})
+    fleet.add("q1", 3, labels={"model": "qwen", "role": "decode", "zone": "a"})
+    router = Router(fleet.table, policy="round_robin", selector={"model": "llama"})
+    assert set(picks(router, [1], 30)) == {"p1", "d1", "d2"}
+    decode = Counter()
+    for _ in range(20):
+        with router.pick([1], 1, selector={"role": "decode"}) as handle:
+            decode[handle.engine_id] += 1
+    assert set(decode) == {"d1", "d2"}
+    with router.pick([1], 1, selector={"role": "decode", "zone": "b"}) as handle:
+        assert handle.engine_id == "d2"
+    with pytest.raises(NoEngineAvailableError, match=r"3 engines .* labels \{'model': 'qwen'\}"):
+        router.pick([1], 1, selector={"model": "qwen"})
+
+
+def test_fit_filter_uses_prompt_plus_max_tokens() -> None:
+    fleet = Fleet()
+    fleet.add("short", 0, context_length=1024)
+    fleet.add("long", 1, context_length=8192)
+    router = Router(fleet.table, policy="round_robin")
+    assert set(picks(router, [1] * 1000, 10, max_tokens=24)) == {"short", "long"}  # == 1024
+    assert set(picks(router, [1] * 1000, 10, max_tokens=25)) == {"long"}  # 1025
+    assert set(picks(router, [1] * 8000, 10, max_tokens=192)) == {"long"}
+    with pytest.raises(NoEngineAvailableError) as info:
+        router.pick([1] * 8000, 193)
+    message = str(info.value)
+    assert "8193 tokens (prompt 8000 + max_tokens 193)" in message
+    assert "largest context_length among the 2 matching engines is 8192" in message
+
+
+def test_no_engine_errors_name_the_reason() -> None:
+    fleet = Fleet()
+    router = Router(fleet.table, selector={"model": "llama"})
+    with pytest.raises(NoEngineAvailableError, match="routing table is empty"):
+        router.pick([1], 1)
+    fleet.add("q", 0, labels={"model": "qwen"})
+    with pytest.raises(NoEngineAvailableError, match="1 engines in the table carries the router"):
+        router.pick([1], 1)
+    fleet.add("l", 1, labels={"model": "llama"})
+    assert router.pick([1], 1).engine_id == "l"
+
+
+# -- consistency with the table --------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(RoutingPolicy))
+def test_a_removed_engine_is_never_picked_and_its_handles_release(policy) -> None:
+    fleet = Fleet()
+    ids = fleet.add_many(4, kv_cache_block_size=16, policy=LP)
+    router = Router(fleet.table, policy=policy)
+    rng = random.Random(9)
+    workload = [tokens(rng, 64) for _ in range(50)]
+    held = [router.pick(prompt, 1) for prompt in workload for _ in range(2)]
+    victim = Counter(h.engine_id for h in held).most_common(1)[0][0]
+    fleet.remove(victim)
+    after = Counter(router.pick(p, 1).engine_id for p in workload * 4)
+    assert victim not in after
+    assert set(after) == set(ids) - {victim}
+    assert victim not in router.in_flight()
+    for handle in held:
+        handle.release()  # including the removed engine's: no error
+    assert all(h.released for h in held)
+    # Back in the table, it starts from zero in-flight requests.
+    fleet.add(victim, ids.index(victim), kv_cache_block_size=16, policy=LP)
+    assert router.in_flight()[victim] == 0
+
+
+def test_an_updated_record_keeps_its_count_and_a_new_block_size_resets_its_index() -> None:
+    fleet = Fleet()
+    fleet.add("a", 0, kv_cache_block_size=16, policy=LP)
+    router = Router(fleet.table, policy="longest_prefix")
+    handle = router.pick(list(range(64)), 1)
+    fleet.add("a", 0, kv_cache_block_size=16, max_num_seqs=128, policy=LP)
+    assert router.in_flight() == {"a": 1}
+    assert len(router._index._lru["a"]) == 4
+    fleet.add("a", 0, kv_cache_block_size=32, policy=LP)
+    assert router.in_flight() == {"a": 1}
+    assert "a" not in router._index._lru
+    handle.release()
+    assert router.in_flight() == {"a": 0}
+
+
+def test_concurrent_picks_and_releases_balance_out() -> None:
+    fleet = Fleet()
+    fleet.add_many(8, kv_cache_block_size=16, policy=LP)
+    errors: list[BaseException] = []
+    for policy in RoutingPolicy:
+        router = Router(fleet.table, policy=policy)
+
+        def work(seed: int, router: Router = router) -> None:
+            rng = random.Random(seed)
+            try:
+                held = []
+                for _ in range(300):
+                    held.append(router.pick(tokens(rng, 40), 1))
+                    if len(held) > 5:
+                        held.pop(0).release()
+                for handle in held:
+                    handle.release()
+            except BaseException as exc:  # reported below, not swallowed
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors
+        assert set(router.in_flight().values()) == {0}, policy
+
+
+# -- against etcd ----------------------------------------------------------------------
+
+
+def test_engine_closed_in_etcd_is_never_picked_again(settings: Settings) -> None:
+    a = register_engine(make_endpoint(1), engine_id="engine-a", ttl=5, settings=settings)
+    b = register_engine(make_endpoint(2), engine_id="engine-b", ttl=5, settings=settings)
+    try:
+        with RoutingTable(settings=settings) as table:
+            table.wait_until(lambda snap: {"engine-a", "engine-b"} <= set(snap), timeout=15)
+            router = Router(table, policy="round_robin")
+            assert set(picks(router, [1] * 100, 10)) == {"engine-a", "engine-b"}
+            held = [router.pick([1] * 100, 10) for _ in range(2)]
+            assert {h.engine_id for h in held} == {"engine-a", "engine-b"}
+            a.close()
+            table.wait_until(lambda snap: "engine-a" not in snap, timeout=15)
+            assert picks(router, [1] * 100, 50) == {"engine-b": 50}
+            assert router.in_flight() == {"engine-b": 1}
+            for handle in held:
+                handle.release()  # the one on engine-a too: no error
+            assert router.in_flight() == {"engine-b": 0}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_docs_example_runs(settings: Settings, monkeypatch, capsys) -> None:
+    """The example in docs/routing.md runs as written against etcd."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
+    assert blocks, "docs/routing.md has no python example"
+    for name in list(os.environ):
+        if name.startswith("DISCOVERY_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("DISCOVERY_ETCD_ENDPOINTS", ",".join(settings.endpoints))
+    monkeypatch.setenv("DISCOVERY_NAMESPACE", settings.namespace)
+    exec(compile(blocks[0], str(DOCS), "exec"), {"__name__": "__docs__"})
+    out = capsys.readouterr().out
+    assert "engine-a first_prefix_block" in out
