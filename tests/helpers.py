@@ -152,8 +152,12 @@ def get_kv(endpoints: Sequence[str], key: str) -> dict | None:
     """The key's JSON view from etcdctl (value decoded), or None when absent."""
     import base64  # noqa: PLC0415
 
-    result = etcdctl(endpoints, "get", key, "-w", "json")
-    assert result.returncode == 0, result.stderr
+    # A read fails while a cluster elects a leader: retry it, within a deadline.
+    result = wait_for(
+        lambda: (r := etcdctl(endpoints, "get", key, "-w", "json")).returncode == 0 and r,
+        timeout=10,
+        message=f"etcdctl get {key}",
+    )
     kvs = json.loads(result.stdout).get("kvs") or []
     if not kvs:
         return None

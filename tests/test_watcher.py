@@ -307,23 +307,23 @@ def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
     member = etcd3.members[0]
     lonely = Settings(endpoints=[member.client_url], namespace="compact", dial_timeout=10)
     others = Settings(endpoints=[m.client_url for m in etcd3.members[1:]], namespace="compact")
-    client = _raw(others)
+    conn = Connection(others)  # retries through the election if the leader was killed
     k = others.keyspace.key
     for i in range(4):
-        client.put(k(f"e{i}"), _value(i))
+        conn.call(lambda c, i=i: c.put(k(f"e{i}"), _value(i)))
     recorder = Recorder()
     with EndpointWatcher(lonely, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
         watcher.subscribe(recorder)
         wait_for(lambda: len(recorder.events) == 4, message="snapshot")
         member.stop(kill=True)
         wait_for(lambda: watcher.health().state is WatcherState.RECONNECTING, message="disconnect")
-        client.delete(k("e0"))  # removed while away: must be reported
-        client.put(k("e1"), _value(1, zone="new"))  # updated
-        client.put(k("e4"), _value(4))  # added
-        client.put(k("e5"), _value(5))
-        client.delete(k("e5"))  # came and went while away: nothing to report
-        revision = client.get_response(k("e4")).header.revision
-        client.compact(revision, physical=True)
+        conn.call(lambda c: c.delete(k("e0")))  # removed while away: must be reported
+        conn.call(lambda c: c.put(k("e1"), _value(1, zone="new")))  # updated
+        conn.call(lambda c: c.put(k("e4"), _value(4)))  # added
+        conn.call(lambda c: c.put(k("e5"), _value(5)))
+        conn.call(lambda c: c.delete(k("e5")))  # came and went while away: nothing to report
+        revision = conn.call(lambda c: c.get_response(k("e4"))).header.revision
+        conn.call(lambda c: c.compact(revision, physical=True))
         member.start()
         etcd3.wait_healthy(members=[member])
         wait_for(lambda: watcher.health().relists == 1, timeout=15, message="relist")
@@ -337,7 +337,7 @@ def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
         assert len({e.revision for e in recorder.events[4:]}) == 1  # one atomic batch
         assert set(table.snapshot()) == {"e1", "e2", "e3", "e4"}
         recorder.check_order()
-    client.close()
+    conn.close()
 
 
 def test_frozen_etcd_is_detected_by_the_watchdog(etcd) -> None:

@@ -1,0 +1,190 @@
+"""The command line against real etcd."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from discovery import Settings, register_engine
+from discovery._codec import EngineRecord
+
+from .helpers import Registrar, cli_env, get_kv, make_endpoint, run_cli, wait_for
+
+
+def test_list_json_and_table(settings: Settings) -> None:
+    with (
+        register_engine(
+            make_endpoint(1), engine_id="a", ttl=30, labels={"role": "decode"}, settings=settings
+        ),
+        register_engine(make_endpoint(2), engine_id="b", ttl=30, settings=settings),
+    ):
+        result = run_cli(settings, "list", "--format", "json")
+        assert result.returncode == 0, result.stderr
+        listed = json.loads(result.stdout)
+        engines = {e["engine_id"]: e for e in listed["engines"]}
+        assert set(engines) == {"a", "b"}
+        assert engines["a"]["labels"] == {"role": "decode"}
+        assert 0 < engines["a"]["ttl"] <= 30 and engines["a"]["lease"] > 0
+        assert engines["b"]["capabilities"] == make_endpoint(2).capabilities.to_dict()
+        assert listed["revision"] > 0
+
+        table = run_cli(settings, "list")
+        assert table.returncode == 0
+        lines = table.stdout.splitlines()
+        assert lines[0].split()[:2] == ["ENGINE", "ADDRESS"]
+        assert any(line.startswith("a ") and "role=decode" in line for line in lines)
+        assert lines[-1] == "(2 engines)"
+
+
+def test_register_from_endpoint_file_then_deregister(settings: Settings, tmp_path) -> None:
+    value = EngineRecord(engine_id="from-file", endpoint=make_endpoint(4), labels={"zone": "z"})
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(value.to_value()))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "discovery",
+            "register",
+            "--endpoint-file",
+            str(path),
+            "--label",
+            "model=m",
+            "--ttl",
+            "30",
+        ],
+        env=cli_env(settings),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    key = settings.keyspace.key("from-file")
+    try:
+        kv = wait_for(lambda: get_kv(settings.endpoints, key), message="registration")
+        stored = json.loads(kv["value"])
+        assert stored["labels"] == {"zone": "z", "model": "m"}  # file labels + flags
+        result = run_cli(settings, "deregister", "from-file")
+        assert result.returncode == 0, result.stderr
+        assert (
+            f"removed engine 'from-file' at {key}: revoked lease {kv['lease']:016x}"
+            in result.stdout
+        )
+        # The live registrar notices and registers again: self-healing.
+        wait_for(
+            lambda: (kv2 := get_kv(settings.endpoints, key)) and kv2["lease"] != kv["lease"],
+            message="re-registration after deregister",
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 0
+        assert get_kv(settings.endpoints, key) is None
+    finally:
+        process.kill()
+        process.wait()
+        process.stderr.close()
+
+
+def test_deregister_unknown_engine_fails(settings: Settings) -> None:
+    result = run_cli(settings, "deregister", "nobody")
+    assert result.returncode == 1
+    assert "no engine 'nobody'" in result.stderr
+
+
+def test_bad_input_exits_2_with_a_clear_message(settings: Settings, tmp_path) -> None:
+    cases = [
+        (["register"], "--coordinator-address"),
+        (
+            [
+                "register",
+                "--coordinator-address",
+                "x",
+                "--context-length",
+                "0",
+                "--kv-cache-block-size",
+                "1",
+                "--total-kv-blocks",
+                "1",
+                "--max-num-seqs",
+                "1",
+                "--max-num-batched-tokens",
+                "1",
+                "--bos-token-id",
+                "0",
+            ],
+            "context_length must be positive",
+        ),
+        (["register", "--endpoint-file", str(tmp_path / "missing.json")], "cannot read"),
+        (["register", "--endpoint-file", __file__], "is not JSON"),
+        (["list", "--endpoints", "ftp://x:1"], "scheme must be http or https"),
+        (
+            ["register", "--endpoint-file", str(tmp_path / "e.json"), "--engine-id", "a/b"],
+            "engine id",
+        ),
+        (["watch", "--selector", "novalue"], "key=value"),
+    ]
+    (tmp_path / "e.json").write_text(json.dumps(make_endpoint().to_dict()))
+    for args, message in cases:
+        result = run_cli(settings, *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_duplicate_id_exits_1(settings: Settings) -> None:
+    with register_engine(make_endpoint(), engine_id="taken", ttl=30, settings=settings) as reg:
+        registrar = Registrar(settings, "taken", ttl=30)
+        try:
+            assert registrar.wait(30) == 1
+            assert f"lease {reg.lease_id:016x}" in registrar.output()
+        finally:
+            registrar.stop()
+
+
+def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: Settings) -> None:
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "discovery", "watch", "--format", "jsonl"],
+        env=cli_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    registrar = Registrar(settings, "victim", ttl=3)
+    try:
+        added = json.loads(watch.stdout.readline())
+        assert set(added) == {"type", "engine_id", "key", "revision", "endpoint", "labels"}
+        assert (added["type"], added["engine_id"]) == ("added", "victim")
+        assert added["endpoint"]["coordinator_address"] == "tcp://victim:5555"
+        registrar.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        removed = json.loads(watch.stdout.readline())  # blocks until the next event
+        delay = time.monotonic() - killed
+        assert (removed["type"], removed["engine_id"]) == ("removed", "victim")
+        assert removed["revision"] > added["revision"]
+        assert delay <= 3 + 2, delay
+        watch.send_signal(signal.SIGTERM)
+        assert watch.wait(10) == 0
+    finally:
+        registrar.stop()
+        watch.kill()
+        watch.wait()
+        watch.stdout.close()
+
+
+def test_watch_text_format(settings: Settings) -> None:
+    with register_engine(make_endpoint(5), engine_id="texty", labels={"k": "v"}, settings=settings):
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "discovery", "watch"],
+            env=cli_env(settings),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            line = watch.stdout.readline().split()
+            assert line[:3] == ["added", "texty", make_endpoint(5).coordinator_address]
+            assert line[-1] == "k=v"
+        finally:
+            watch.send_signal(signal.SIGINT)
+            watch.wait(10)
+            watch.stdout.close()

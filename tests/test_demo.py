@@ -1,0 +1,57 @@
+"""README's first command: the demo runs to completion quickly and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _processes_mentioning(marker: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def test_demo_runs_under_a_minute_and_leaves_nothing_running(tmp_path: Path) -> None:
+    namespace = f"demo-test-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
+    env["TMPDIR"] = str(tmp_path)  # the embedded etcd's data directory lands here
+    started = time.monotonic()
+    result = subprocess.run(
+        ["./dev", "demo", "--namespace", namespace],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert elapsed < 60, elapsed
+    out = result.stdout
+    assert "started an embedded etcd" in out
+    assert "3 engines: demo-engine-0, demo-engine-1, demo-engine-2" in out
+    hard = re.search(r"demo-engine-0 removed (\d+\.\d+) s after SIGKILL", out)
+    soft = re.search(r"demo-engine-1 removed (\d+\.\d+) s after SIGTERM", out)
+    assert hard and soft, out
+    assert 2.0 <= float(hard.group(1)) <= 3 + 2  # the lease had to expire
+    assert float(soft.group(1)) < 0.5  # the lease was revoked
+    assert "etcdctl --endpoints http://127.0.0.1:" in out and "get --prefix" in out
+    assert "nothing left running" in out
+    assert _processes_mentioning(namespace) == []
+    assert _processes_mentioning(str(tmp_path)) == []
+    assert not any(tmp_path.glob("discovery-etcd-*")), "etcd data directory left behind"

@@ -1,0 +1,128 @@
+"""README and docs examples run as written, and the public surface is exactly as intended."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import discovery
+from discovery import Settings, register_engine
+
+from .helpers import cli_env, make_endpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+INTENDED = {
+    # records (Megatron-compatible) and the stored form
+    "PrefixCachingCoordinatorPolicy",
+    "InferenceEngineCapabilities",
+    "InferenceEngineEndpoint",
+    "EngineRecord",
+    "KeySpace",
+    "DEFAULT_ROOT",
+    "DEFAULT_NAMESPACE",
+    "MAX_VALUE_BYTES",
+    # settings and connection
+    "Settings",
+    "Connection",
+    # registration
+    "register_engine",
+    "register_dynamic_engine",
+    "aregister_engine",
+    "default_engine_id",
+    "deregister_on_signals",
+    "Registration",
+    "RegistrationState",
+    "RegistrationHealth",
+    # watching and routing
+    "EndpointWatcher",
+    "EndpointEvent",
+    "EventType",
+    "WatcherHealth",
+    "WatcherState",
+    "RoutingTable",
+    "RoutingSnapshot",
+    "Router",
+    "RoutingPolicy",
+    "PickHandle",
+    # errors
+    "DiscoveryError",
+    "ConfigurationError",
+    "InvalidRecordError",
+    "RecordDecodeError",
+    "EtcdError",
+    "EtcdUnavailableError",
+    "PermissionDeniedError",
+    "EngineConflictError",
+    "NoEngineAvailableError",
+    "ClosedError",
+    "__version__",
+}
+
+
+def test_exported_names_are_exactly_the_intended_ones() -> None:
+    assert set(discovery.__all__) == INTENDED
+    assert len(discovery.__all__) == len(set(discovery.__all__))
+    for name in discovery.__all__:
+        assert hasattr(discovery, name), name
+
+
+def test_every_public_name_is_documented_and_typed() -> None:
+    for name in sorted(
+        INTENDED - {"__version__", "DEFAULT_ROOT", "DEFAULT_NAMESPACE", "MAX_VALUE_BYTES"}
+    ):
+        obj = getattr(discovery, name)
+        assert inspect.getdoc(obj), f"{name} has no docstring"
+        if inspect.isfunction(obj):
+            hints = inspect.signature(obj)
+            assert hints.return_annotation is not inspect.Signature.empty, name
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if attr.startswith("_") or not callable(member):
+                    continue
+                assert inspect.getdoc(member), f"{name}.{attr} has no docstring"
+
+
+def test_embedded_is_not_imported_by_the_library() -> None:
+    code = "import discovery, sys; print('discovery.embedded' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_readme_opens_with_the_two_commands() -> None:
+    first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
+    assert commands == ["./dev demo", "./dev test"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert [line for line in ci.splitlines() if line.startswith("./")] == ["./dev test"]
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_python_blocks(README))))
+def test_readme_examples_run(index: int, settings: Settings) -> None:
+    # A live engine the watch example can see and pick.
+    with register_engine(
+        make_endpoint(), engine_id="sample", labels={"model": "llama-3-8b"}, settings=settings
+    ):
+        result = subprocess.run(
+            [sys.executable, "-c", _python_blocks(README)[index]],
+            env=cli_env(settings),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 0, result.stderr
+    if "router.pick" in _python_blocks(README)[index]:
+        assert "send to tcp://" in result.stdout
