@@ -19,6 +19,8 @@ It knows nothing about engines. It owns:
   * ``Lease.refresh()`` opens one stream per refresh: ``KeepAliveStream`` keeps one
     stream for every lease of the connection;
   * an expired auth token: the client is rebuilt (re-authenticating) and the call retried;
+  * with a username on a plaintext channel every call fails ("insufficient security level
+    to transfer call credential"): the token is sent as metadata only;
   * prefix reads over gRPC's 4 MiB limit: ``list_prefix`` pages at one fixed revision.
 """
 
@@ -156,7 +158,10 @@ def translate(exc: BaseException, endpoints: tuple[str, ...] = ()) -> DiscoveryE
         return PermissionDeniedError("etcd keeps rejecting the auth token")
     if is_transient(exc):
         where = ", ".join(endpoints) or "etcd"
-        return EtcdUnavailableError(f"etcd unavailable at {where}: {what}")
+        hint = ""
+        if any(word in what.lower() for word in ("ssl", "handshake", "certificate", "tls")):
+            hint = " (TLS failed: check ca_cert, and cert/key when etcd requires client certs)"
+        return EtcdUnavailableError(f"etcd unavailable at {where}: {what}{hint}")
     return EtcdError(f"etcd request failed: {what}")
 
 
@@ -262,7 +267,7 @@ class Connection:
             )
         try:
             # Authenticates at once when credentials are set; members are tried in turn.
-            return _FailoverClient(
+            client = _FailoverClient(
                 endpoints=members,
                 timeout=s.request_timeout,
                 user=s.username,
@@ -273,6 +278,11 @@ class Connection:
             for member in members:
                 member.close()
             raise
+        if not s.secure:
+            # gRPC refuses call credentials on a plaintext channel ("insufficient security
+            # level"); the token also travels as plain metadata, which is all etcd reads.
+            client.call_credentials = None
+        return client
 
     def _reset_client(self, broken: etcd3.MultiEndpointEtcd3Client) -> None:
         with self._lock:
@@ -401,11 +411,13 @@ class Connection:
         self, prefix: str, start_revision: int, *, heartbeat: float = 5.0
     ) -> WatchStream:
         """Open a watch of ``prefix`` from ``start_revision`` (inclusive)."""
-        return self.attempt(lambda c: WatchStream(c, prefix, start_revision, heartbeat))
+        return self.attempt(
+            lambda c: WatchStream(c, self._reset_client, prefix, start_revision, heartbeat)
+        )
 
     def open_keepalive(self) -> KeepAliveStream:
         """Open one LeaseKeepAlive stream to refresh any number of leases."""
-        return self.attempt(KeepAliveStream)
+        return self.attempt(lambda c: KeepAliveStream(c, self._reset_client))
 
 
 def _read(path: str | None) -> bytes | None:
@@ -422,7 +434,13 @@ class _Stream:
     on a member benches it here, so the next stream fails over to another member.
     """
 
-    def __init__(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
+    def __init__(
+        self,
+        client: etcd3.MultiEndpointEtcd3Client,
+        on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
+    ) -> None:
+        self._client = client
+        self._on_token_expired = on_token_expired
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._call: Any = None
         self._channel = client.channel  # picks a member that is not benched
@@ -448,6 +466,10 @@ class _Stream:
         except grpc.RpcError as exc:
             if exc.code() in _MEMBER_FAILURE_CODES:
                 self._member.fail()
+            elif _token_expired(exc):
+                # A stream opened with a stale token (etcd restarted, or the token idled
+                # out): authenticate again before the next stream.
+                self._on_token_expired(self._client)
             raise
 
     def send(self, request: Any) -> None:
@@ -477,11 +499,12 @@ class WatchStream(_Stream):
     def __init__(
         self,
         client: etcd3.MultiEndpointEtcd3Client,
+        on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
         prefix: str,
         start_revision: int,
         heartbeat: float,
     ) -> None:
-        super().__init__(client)
+        super().__init__(client, on_token_expired)
         key = prefix.encode()
         create = etcdrpc.WatchCreateRequest(
             key=key, range_end=prefix_range_end(key), start_revision=start_revision
@@ -516,7 +539,7 @@ class WatchStream(_Stream):
                 if response.compact_revision:
                     raise Compacted(response.compact_revision)
                 if response.canceled:
-                    raise EtcdError(f"etcd cancelled the watch: {response.cancel_reason}")
+                    raise self._cancelled(response.cancel_reason)
                 yield response
                 # Time spent by the consumer is not the stream's silence.
                 self._last_seen = time.monotonic()
@@ -531,6 +554,16 @@ class WatchStream(_Stream):
         finally:
             self.close()
 
+    def _cancelled(self, reason: str) -> EtcdError:
+        if "permission denied" not in reason:
+            return EtcdError(f"etcd cancelled the watch: {reason}")
+        if self._client.metadata:
+            # etcd answers an expired token on a new watch with "permission denied", not
+            # "invalid auth token" (upstream #1227: a watch that never resumes).
+            # Authenticate again; a real lack of permission stays denied.
+            self._on_token_expired(self._client)
+        return PermissionDeniedError(f"etcd refused the watch: {reason}")
+
     def close(self) -> None:
         """Cancel the stream and stop its watchdog."""
         self._stopped.set()
@@ -540,8 +573,12 @@ class WatchStream(_Stream):
 class KeepAliveStream(_Stream):
     """One LeaseKeepAlive stream: ``send_keepalive(id)``, iterate for (lease id, ttl)."""
 
-    def __init__(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
-        super().__init__(client)
+    def __init__(
+        self,
+        client: etcd3.MultiEndpointEtcd3Client,
+        on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
+    ) -> None:
+        super().__init__(client, on_token_expired)
         self._open(etcdrpc.LeaseStub(self._channel).LeaseKeepAlive)
 
     def send_keepalive(self, lease_id: int) -> None:

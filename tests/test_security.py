@@ -1,0 +1,341 @@
+"""TLS, client certificates and etcd authentication against real etcd (issue 6)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trustme
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from discovery import (
+    EndpointWatcher,
+    EtcdUnavailableError,
+    PermissionDeniedError,
+    RegistrationState,
+    RoutingTable,
+    Settings,
+    register_engine,
+)
+from discovery.embedded import EtcdCluster, ServerTLS
+
+from .conftest import _checked_cluster
+from .helpers import cli_env, make_endpoint, wait_for
+
+SECRET = "s3cr3t-Marker-7f1c"  # a password no log, repr or message may ever show
+
+
+@dataclass
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    base = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("discovery-client")
+    files = Pki(
+        *(
+            base / name
+            for name in (
+                "ca.pem",
+                "server.pem",
+                "server.key",
+                "client.pem",
+                "client.key",
+                "other-ca.pem",
+            )
+        )
+    )
+    ca.cert_pem.write_to_path(files.ca)
+    server.cert_chain_pems[0].write_to_path(files.server_cert)
+    server.private_key_pem.write_to_path(files.server_key)
+    client.cert_chain_pems[0].write_to_path(files.client_cert)
+    client.private_key_pem.write_to_path(files.client_key)
+    other.cert_pem.write_to_path(files.other_ca)
+    return files
+
+
+@pytest.fixture
+def etcd_tls(pki: Pki) -> Iterator[EtcdCluster]:
+    tls = ServerTLS(
+        ca_cert=str(pki.ca),
+        cert=str(pki.server_cert),
+        key=str(pki.server_key),
+        client_cert_auth=True,
+        client_cert=str(pki.client_cert),
+        client_key=str(pki.client_key),
+    )
+    with _checked_cluster(1, tls=tls) as cluster:
+        yield cluster
+
+
+def _tls_settings(cluster: EtcdCluster, pki: Pki, **overrides) -> Settings:
+    values = dict(
+        endpoints=cluster.endpoints,
+        ca_cert=str(pki.ca),
+        cert=str(pki.client_cert),
+        key=str(pki.client_key),
+        namespace="tls",
+        dial_timeout=3,
+    )
+    values.update(overrides)
+    return Settings(**values)
+
+
+def test_tls_with_client_certificates(etcd_tls: EtcdCluster, pki: Pki) -> None:
+    settings = _tls_settings(etcd_tls, pki)
+    assert settings.endpoints[0].startswith("https://")
+    with RoutingTable(settings=settings) as table:
+        with register_engine(make_endpoint(), engine_id="secure", ttl=5, settings=settings):
+            table.wait_until(lambda snap: "secure" in snap, timeout=5)
+        table.wait_until(lambda snap: "secure" not in snap, timeout=5)
+
+
+def test_wrong_ca_is_refused_clearly_not_hung(etcd_tls: EtcdCluster, pki: Pki) -> None:
+    settings = _tls_settings(etcd_tls, pki, ca_cert=str(pki.other_ca), dial_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match="TLS failed") as caught:
+        register_engine(make_endpoint(), settings=settings)
+    assert time.monotonic() - started < 5
+    assert "handshake" in str(caught.value).lower() or "certificate" in str(caught.value).lower()
+
+
+def test_missing_client_certificate_is_refused(etcd_tls: EtcdCluster, pki: Pki) -> None:
+    settings = _tls_settings(etcd_tls, pki, cert=None, key=None, dial_timeout=1)
+    with pytest.raises(EtcdUnavailableError):
+        EndpointWatcher(settings).start()
+
+
+# -- authentication and least privilege --------------------------------------------------
+
+
+def _ctl(cluster: EtcdCluster, *args: str, user: str | None = "root:" + SECRET) -> str:
+    extra = ["--user", user] if user else []
+    result = cluster.etcdctl(*extra, *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _setup_auth(cluster: EtcdCluster) -> None:
+    """Auth on; engine-a may write namespace a, engine-b namespace b, router-a may only read a."""
+    _ctl(cluster, "user", "add", f"root:{SECRET}", user=None)
+    _ctl(cluster, "user", "grant-role", "root", "root", user=None)
+    for ns in ("a", "b"):
+        prefix = f"/inference/v1/{ns}/engines/"
+        _ctl(cluster, "role", "add", f"engine-{ns}", user=None)
+        _ctl(
+            cluster,
+            "role",
+            "grant-permission",
+            f"engine-{ns}",
+            "readwrite",
+            prefix,
+            "--prefix=true",
+            user=None,
+        )
+        _ctl(cluster, "user", "add", f"engine-{ns}:{SECRET}", user=None)
+        _ctl(cluster, "user", "grant-role", f"engine-{ns}", f"engine-{ns}", user=None)
+    _ctl(cluster, "role", "add", "router-a", user=None)
+    _ctl(
+        cluster,
+        "role",
+        "grant-permission",
+        "router-a",
+        "read",
+        "/inference/v1/a/engines/",
+        "--prefix=true",
+        user=None,
+    )
+    _ctl(cluster, "user", "add", f"router-a:{SECRET}", user=None)
+    _ctl(cluster, "user", "grant-role", "router-a", "router-a", user=None)
+    _ctl(cluster, "auth", "enable", user=None)
+
+
+@pytest.fixture
+def etcd_auth() -> Iterator[EtcdCluster]:
+    with _checked_cluster(1) as cluster:
+        _setup_auth(cluster)
+        yield cluster
+
+
+_JWT_TTL = 2
+
+
+@pytest.fixture
+def etcd_jwt(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """Auth with JWT tokens that expire after _JWT_TTL seconds, whatever happens."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    private, public = tmp_path / "jwt.key", tmp_path / "jwt.pub"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    token = f"jwt,pub-key={public},priv-key={private},sign-method=RS256,ttl={_JWT_TTL}s"
+    with _checked_cluster(1, extra_args=["--auth-token", token]) as cluster:
+        _setup_auth(cluster)
+        yield cluster
+
+
+def _token_expiry(metadata) -> float:
+    payload = dict(metadata)["token"].split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["exp"]
+
+
+def _auth_settings(cluster: EtcdCluster, user: str | None, namespace: str = "a", **kw) -> Settings:
+    password = SECRET if user else None
+    return Settings(
+        endpoints=cluster.endpoints,
+        namespace=namespace,
+        username=user,
+        password=password,
+        dial_timeout=kw.pop("dial_timeout", 3),
+        **kw,
+    )
+
+
+def test_engine_user_writes_its_namespace_only(etcd_auth: EtcdCluster) -> None:
+    with register_engine(
+        make_endpoint(), engine_id="e1", ttl=5, settings=_auth_settings(etcd_auth, "engine-a")
+    ) as reg:
+        assert reg.state is RegistrationState.REGISTERED
+    assert _ctl(etcd_auth, "get", "--prefix", "/inference/v1/a/engines/") == ""  # revoked
+    started = time.monotonic()
+    with pytest.raises(PermissionDeniedError, match="permission denied"):
+        register_engine(
+            make_endpoint(),
+            engine_id="e1",
+            settings=_auth_settings(etcd_auth, "engine-a", namespace="b"),
+        )
+    assert time.monotonic() - started < 2  # refused at once, not retried
+    assert _ctl(etcd_auth, "get", "--prefix", "/inference/v1/b/").strip() == ""
+    leases = _ctl(etcd_auth, "lease", "list")
+    assert "found 0 leases" in leases  # the lease granted for the refused write was revoked
+
+
+def test_router_user_reads_and_watches_but_cannot_write(etcd_auth: EtcdCluster) -> None:
+    router = _auth_settings(etcd_auth, "router-a")
+    with pytest.raises(PermissionDeniedError):
+        register_engine(make_endpoint(), engine_id="nope", settings=router)
+    with (
+        RoutingTable(settings=router) as table,
+        register_engine(
+            make_endpoint(), engine_id="e2", ttl=5, settings=_auth_settings(etcd_auth, "engine-a")
+        ),
+    ):
+        table.wait_until(lambda snap: "e2" in snap, timeout=5)
+    with pytest.raises(PermissionDeniedError):
+        EndpointWatcher(_auth_settings(etcd_auth, "router-a", namespace="b")).start()
+
+
+@pytest.mark.parametrize("user", [None, "wrong"])
+def test_unauthenticated_or_wrong_password_is_refused_clearly(etcd_auth: EtcdCluster, user) -> None:
+    settings = Settings(
+        endpoints=etcd_auth.endpoints,
+        namespace="a",
+        dial_timeout=3,
+        username=user,
+        password="not-it" if user else None,
+    )
+    started = time.monotonic()
+    with pytest.raises(PermissionDeniedError) as caught:
+        register_engine(make_endpoint(), settings=settings)
+    assert time.monotonic() - started < 2
+    assert "user name is empty" in str(caught.value) or "authentication failed" in str(caught.value)
+
+
+def test_expired_tokens_do_not_freeze_watch_or_keepalive(etcd_jwt: EtcdCluster) -> None:
+    """Streams reopened after the token expired must authenticate again (upstream #1227)."""
+    engine = _auth_settings(etcd_jwt, "engine-a", dial_timeout=10)
+    router = _auth_settings(etcd_jwt, "router-a", dial_timeout=10)
+    with (
+        RoutingTable(settings=router) as table,
+        register_engine(make_endpoint(), engine_id="survivor", ttl=6, settings=engine) as reg,
+    ):
+        table.wait_until(lambda snap: "survivor" in snap, timeout=5)
+        tokens = [table.watcher._conn.client().metadata, reg._conn.client().metadata]
+        expiry = max(_token_expiry(token) for token in tokens)
+        wait_for(lambda: time.time() > expiry + 0.5, timeout=_JWT_TTL + 5, message="token expiry")
+        keepalive = reg.health().last_keepalive
+        etcd_jwt.restart(etcd_jwt.members[0], kill=True)  # every stream reconnects
+        # The registration keeps its lease alive with a fresh token...
+        wait_for(
+            lambda: reg.health().last_keepalive != keepalive,
+            timeout=8,
+            message="a keepalive after re-authenticating",
+        )
+        # ...and the watch resumes with one too: a new engine still shows up.
+        with register_engine(make_endpoint(1), engine_id="newcomer", ttl=6, settings=engine):
+            table.wait_until(lambda snap: "newcomer" in snap, timeout=10)
+        assert reg.health().losses == 0
+        assert table.watcher._conn.client().metadata != tokens[0]  # it did re-authenticate
+        # Unary calls with the expired token authenticate again too.
+        reg.update(labels={"after": "expiry"})
+        table.wait_until(lambda snap: snap["survivor"].labels == {"after": "expiry"}, timeout=5)
+        assert reg._conn.client().metadata != tokens[1]
+
+
+def test_no_secret_in_logs_reprs_errors_or_cli_output(
+    etcd_auth: EtcdCluster, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    settings = _auth_settings(etcd_auth, "engine-a")
+    texts = [repr(settings), str(settings)]
+    with register_engine(make_endpoint(), engine_id="quiet", ttl=5, settings=settings) as reg:
+        texts += [repr(reg), repr(reg.health())]
+    for bad in (
+        _auth_settings(etcd_auth, "engine-a", namespace="b"),
+        Settings(endpoints=etcd_auth.endpoints, username="engine-a", password=SECRET + "x"),
+        Settings(endpoints=["http://127.0.0.1:9"], username="u", password=SECRET, dial_timeout=0.5),
+    ):
+        with pytest.raises(Exception) as caught:
+            register_engine(make_endpoint(), engine_id="x", settings=bad)
+        texts.append(str(caught.value))
+        texts.append(repr(caught.value))
+    password_file = tmp_path / "password"
+    password_file.write_text(SECRET + "\n")
+    env = cli_env(Settings(endpoints=etcd_auth.endpoints, namespace="a"))
+    env.update(DISCOVERY_ETCD_USERNAME="engine-a", DISCOVERY_ETCD_PASSWORD_FILE=str(password_file))
+    for args in (
+        ["list"],
+        ["list", "--log-level", "DEBUG"],
+        ["deregister", "ghost"],
+        ["list", "--namespace", "b", "--dial-timeout", "1"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "discovery", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        texts += [result.stdout, result.stderr]
+    texts += [record.getMessage() for record in caplog.records]
+    leaks = [text for text in texts if SECRET in text]
+    assert not leaks, leaks[:3]
+    assert any("(2 engines)" in t or "(0 engines)" in t for t in texts)  # the CLI did run
