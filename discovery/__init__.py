@@ -23,6 +23,7 @@ from ._errors import (
     PermissionDeniedError,
     RecordDecodeError,
 )
+from ._metrics import Metrics
 from ._registration import (
     Registration,
     RegistrationHealth,
@@ -59,6 +60,7 @@ __all__ = [
     "InferenceEngineEndpoint",
     "InvalidRecordError",
     "KeySpace",
+    "Metrics",
     "NoEngineAvailableError",
     "PermissionDeniedError",
     "PickHandle",

@@ -24,6 +24,7 @@ from ._endpoint import (
     PrefixCachingCoordinatorPolicy,
 )
 from ._errors import ConfigurationError, DiscoveryError, InvalidRecordError
+from ._metrics import Metrics
 from ._registration import RegistrationState, register_engine
 from ._settings import Settings
 from ._watcher import EndpointEvent, EndpointWatcher
@@ -106,6 +107,31 @@ def _setup_logging(args: argparse.Namespace) -> None:
     root.setLevel(level)
 
 
+def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics (needs prometheus-client)")
+    group.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    group.add_argument(
+        "--metrics-addr", default="127.0.0.1", help="bind address (default 127.0.0.1)"
+    )
+
+
+def metrics_from_args(args: argparse.Namespace) -> Metrics | None:
+    """A Metrics served over HTTP when --metrics-port is given, else None."""
+    if args.metrics_port is None:
+        return None
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
+    except ImportError:
+        raise UsageError(
+            "--metrics-port needs prometheus-client: pip install 'discovery[metrics]'"
+        ) from None
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
+    log.info("serving metrics on http://%s:%d/metrics", args.metrics_addr, args.metrics_port)
+    return metrics
+
+
 def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,8 +207,10 @@ def _cmd_register(args: argparse.Namespace) -> int:
     engine_id = args.engine_id or meta.get("engine_id")
     settings = settings_from_args(args)
     stop = _stop_on_signals()
+    metrics = metrics_from_args(args)
     registration = register_engine(
         endpoint,
+        metrics=metrics,
         engine_id=engine_id,
         ttl=args.ttl,
         labels=labels,
@@ -299,7 +327,9 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     selector = _parse_labels(args.selector)
     stop = _stop_on_signals()
-    watcher = EndpointWatcher(settings, selector=validate_labels(selector)).start()
+    metrics = metrics_from_args(args)
+    watcher = EndpointWatcher(settings, selector=validate_labels(selector), metrics=metrics)
+    watcher.start()
 
     def emit(event: EndpointEvent) -> None:
         print(format_event(event, args.format), flush=True)
@@ -338,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     reg.add_argument("--replace", action="store_true", help="take over a live engine's id")
     _add_settings_flags(reg)
+    _add_metrics_flags(reg)
     reg.set_defaults(func=_cmd_register)
 
     dereg = commands.add_parser("deregister", help="remove an engine's record by id")
@@ -354,12 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--format", choices=("text", "jsonl"), default="text")
     watch.add_argument("--selector", action="append", default=[], metavar="KEY=VALUE")
     _add_settings_flags(watch)
+    _add_metrics_flags(watch)
     watch.set_defaults(func=_cmd_watch)
 
     demo = commands.add_parser("demo", help="run the end-to-end demo (embedded etcd if none)")
     demo.add_argument("--engines", type=int, default=3)
     demo.add_argument("--ttl", type=float, default=3.0)
     _add_settings_flags(demo)
+    _add_metrics_flags(demo)
     demo.set_defaults(func=_cmd_demo)
     return parser
 

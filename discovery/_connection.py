@@ -110,6 +110,10 @@ class Compacted(EtcdError):
         self.compact_revision = compact_revision
 
 
+class StreamSilentError(EtcdUnavailableError):
+    """Internal: the watchdog dropped a stream that stopped answering."""
+
+
 class _TokenExpired(Exception):
     """Internal: etcd no longer accepts our auth token; rebuild the client."""
 
@@ -546,7 +550,7 @@ class WatchStream(_Stream):
             raise EtcdUnavailableError("watch stream closed by etcd")
         except grpc.RpcError as exc:
             if self.silent:
-                raise EtcdUnavailableError(
+                raise StreamSilentError(
                     f"watch stream silent for {2 * self._heartbeat:g} s (no answer to progress "
                     "requests); reconnecting"
                 ) from exc

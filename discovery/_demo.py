@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ._cli import format_event, settings_from_args
+from ._cli import format_event, metrics_from_args, settings_from_args
 from ._routing import RoutingSnapshot, RoutingTable
 from ._settings import ENV_PREFIX, Settings
 from ._watcher import EndpointEvent, EventType
@@ -86,7 +86,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.namespace is None:
         args.namespace = "demo"
     with _etcd(args, started) as settings:
-        table = RoutingTable(settings=settings)
+        table = RoutingTable(settings=settings, metrics=metrics_from_args(args))
 
         def show(events: tuple[EndpointEvent, ...], snapshot: RoutingSnapshot) -> None:
             for event in events:

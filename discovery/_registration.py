@@ -49,6 +49,7 @@ from ._errors import (
     EngineConflictError,
     InvalidRecordError,
 )
+from ._metrics import NO_METRICS, Metrics
 from ._settings import Settings
 
 __all__ = [
@@ -232,12 +233,14 @@ class Registration:
         ttl: float,
         connection: Connection,
         owns_connection: bool,
+        metrics: Metrics | None = None,
     ) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise InvalidRecordError(f"ttl must be a positive number of seconds, got {ttl!r}")
         self._record = record
         self._conn = connection
         self._owns_connection = owns_connection
+        self._metrics = metrics or NO_METRICS
         self.key = connection.settings.keyspace.key(record.engine_id)
         self.ttl = max(1, math.ceil(ttl))  # etcd leases are whole seconds
         self._interval = self.ttl / 3
@@ -384,7 +387,9 @@ class Registration:
             self._keeper.track_lease(self, lease_id, None)
         try:
             if lease_id is not None:
+                started = time.monotonic()
                 self._conn.call(lambda client: client.revoke_lease(lease_id), timeout=timeout)
+                self._metrics.revoked(time.monotonic() - started)
                 log.info("deregistered %s (lease %016x revoked)", self.engine_id, lease_id)
         except DiscoveryError as exc:
             log.warning(
@@ -426,6 +431,7 @@ class Registration:
                 self._last_error = error
             listeners = list(self._listeners)
             self._state_changed.notify_all()
+        self._metrics.registration_state(self.engine_id, state.value)
         level = logging.WARNING if state is RegistrationState.LOST else logging.INFO
         log.log(level, "%s: %s -> %s%s", self.engine_id, old, state, f" ({error})" if error else "")
         if self._keeper is not None:
@@ -456,6 +462,8 @@ class Registration:
             self._awaiting = None
             if lease_id != previous:
                 self._registrations += 1
+        if lease_id != previous:
+            self._metrics.lease_granted()
         if self._keeper is not None and previous != lease_id:
             self._keeper.track_lease(self, previous, lease_id)
 
@@ -538,6 +546,7 @@ class Registration:
     def _keepalive(self, keeper: _Keeper, now: float) -> None:
         if self._awaiting is not None and now - self._awaiting >= self._interval:
             # The previous keepalive was never answered: the stream may be dead.
+            self._metrics.keepalive_failed()
             keeper.reset_stream(unanswered=True)
         lease_id = self._lease_id
         if lease_id is not None and keeper.send_keepalive(lease_id):
@@ -545,6 +554,7 @@ class Registration:
                 self._awaiting = now
             delay = self._interval
         else:
+            self._metrics.keepalive_failed()
             delay = _RETRY_MAX
         if self._dirty:
             try:
@@ -557,13 +567,16 @@ class Registration:
         with self._lock:
             if lease_id != self._lease_id or self._state is not RegistrationState.REGISTERED:
                 return
-            if ttl > 0:
+            alive = ttl > 0
+            if alive:
                 sent = self._awaiting if self._awaiting is not None else time.monotonic()
                 self._deadline = sent + ttl
                 self._awaiting = None
                 self._last_keepalive = datetime.now(UTC)
-                return
-        self._lose(f"lease {lease_id:016x} no longer exists (expired or revoked)")
+        if alive:
+            self._metrics.keepalive_ok(self.engine_id)
+        else:
+            self._lose(f"lease {lease_id:016x} no longer exists (expired or revoked)")
 
     def _recover(self, keeper: _Keeper) -> None:
         try:
@@ -583,6 +596,7 @@ class Registration:
         with self._lock:
             self._retry_delay = _RETRY_MIN
             self._last_error = None
+        self._metrics.reregistered()
         self._set_state(RegistrationState.REGISTERED)
         # A surviving lease may be close to its end: renew it at once.
         keeper.schedule(self, time.monotonic())
@@ -612,6 +626,7 @@ def register_engine(
     settings: Settings | None = None,
     connection: Connection | None = None,
     replace: bool = False,
+    metrics: Metrics | None = None,
 ) -> Registration:
     """Register ``endpoint`` in etcd under a lease and keep it alive until closed.
 
@@ -620,6 +635,7 @@ def register_engine(
     no member answers within ``settings.dial_timeout``, PermissionDeniedError on auth
     problems. ``connection`` shares one client among many registrations and watchers;
     otherwise one is built from ``settings`` (default: ``Settings.from_env()``).
+    ``metrics`` exports this registration's state and keepalives (see ``Metrics``).
     """
     record = EngineRecord(
         engine_id=default_engine_id() if engine_id is None else validate_engine_id(engine_id),
@@ -630,7 +646,9 @@ def register_engine(
     owns = connection is None
     conn = Connection(settings) if connection is None else connection
     try:
-        registration = Registration(record, ttl=ttl, connection=conn, owns_connection=owns)
+        registration = Registration(
+            record, ttl=ttl, connection=conn, owns_connection=owns, metrics=metrics
+        )
     except BaseException:
         if owns:
             conn.close()

@@ -73,6 +73,7 @@ from types import MappingProxyType
 from ._codec import EngineRecord
 from ._endpoint import InferenceEngineEndpoint
 from ._errors import NoEngineAvailableError
+from ._metrics import NO_METRICS, Metrics
 from ._routing import RoutingSnapshot, RoutingTable
 
 __all__ = ["PickHandle", "Router", "RoutingPolicy"]
@@ -326,7 +327,7 @@ class Router:
     engines carrying those labels; ``load_gap`` is the utilisation gap past which
     ``longest_prefix`` load-balances; ``prefix_index_blocks`` bounds the longest-prefix
     index per engine. The table must be started (or fed) separately; the router owns no
-    thread and needs no closing.
+    thread and needs no closing. ``metrics`` counts picks and exports in-flight requests.
     """
 
     def __init__(
@@ -337,6 +338,7 @@ class Router:
         selector: Mapping[str, str] | None = None,
         load_gap: float = DEFAULT_LOAD_GAP,
         prefix_index_blocks: int = DEFAULT_PREFIX_INDEX_BLOCKS,
+        metrics: Metrics | None = None,
     ) -> None:
         try:
             self._policy = RoutingPolicy(policy)
@@ -350,6 +352,9 @@ class Router:
         if prefix_index_blocks <= 0:
             raise ValueError(f"prefix_index_blocks must be positive, got {prefix_index_blocks}")
         self._table = table
+        self._metrics = metrics or NO_METRICS
+        if metrics is not None:
+            metrics.observe_router(self)
         self._selector = MappingProxyType(dict(selector or {}))
         self._load_gap = float(load_gap)
         self._index_blocks = prefix_index_blocks
@@ -394,7 +399,11 @@ class Router:
             snapshot = self._table.snapshot()
             if snapshot is not self._snapshot:
                 self._sync_locked(snapshot)
-            pool = self._pool_locked(selector, len(prompt_tokens), max_tokens)
+            try:
+                pool = self._pool_locked(selector, len(prompt_tokens), max_tokens)
+            except NoEngineAvailableError:
+                self._metrics.no_engine()
+                raise
             policy = pool.policy
             matched = 0
             if policy is RoutingPolicy.ROUND_ROBIN:
@@ -408,7 +417,8 @@ class Router:
             else:
                 engine, policy, matched = self._longest_prefix_locked(pool, prompt_tokens)
             engine.acquire()
-            return PickHandle(self._lock, engine, policy, matched)
+        self._metrics.picked(policy.value)
+        return PickHandle(self._lock, engine, policy, matched)
 
     def in_flight(self) -> dict[str, int]:
         """Unreleased handles per engine currently in the table (and the router's selector)."""

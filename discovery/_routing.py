@@ -14,6 +14,7 @@ from types import MappingProxyType
 from ._codec import EngineRecord
 from ._connection import Connection
 from ._dispatch import Dispatcher
+from ._metrics import Metrics
 from ._settings import Settings
 from ._watcher import EndpointEvent, EndpointWatcher, EventType
 
@@ -50,6 +51,7 @@ class RoutingTable:
 
     Give it a watcher to share one, or let it build its own from ``settings`` /
     ``namespace`` / ``selector`` / ``connection`` (then ``start()``/``stop()`` drive it).
+    ``metrics`` exports the table's size (and its own watcher's metrics).
     """
 
     def __init__(
@@ -60,11 +62,14 @@ class RoutingTable:
         namespace: str | None = None,
         selector: Mapping[str, str] | None = None,
         connection: Connection | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._owns_watcher = watcher is None
         self.watcher = watcher or EndpointWatcher(
-            settings, namespace=namespace, selector=selector, connection=connection
+            settings, namespace=namespace, selector=selector, connection=connection, metrics=metrics
         )
+        if metrics is not None:
+            metrics.observe_table(self)
         self._cond = threading.Condition()
         self._records: dict[str, EngineRecord] = {}
         self._revision = 0

@@ -42,10 +42,19 @@ from typing import Any, Protocol
 from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
 
 from ._codec import EngineRecord, KeySpace
-from ._connection import Compacted, Connection, WatchStream, describe, is_transient, translate
+from ._connection import (
+    Compacted,
+    Connection,
+    StreamSilentError,
+    WatchStream,
+    describe,
+    is_transient,
+    translate,
+)
 from ._dispatch import Dispatcher
 from ._endpoint import InferenceEngineEndpoint
 from ._errors import ClosedError, EtcdUnavailableError, RecordDecodeError
+from ._metrics import NO_METRICS, Metrics
 from ._settings import Settings
 
 __all__ = ["EndpointEvent", "EndpointWatcher", "EventType", "WatcherHealth", "WatcherState"]
@@ -161,7 +170,9 @@ class EndpointWatcher:
         selector: Mapping[str, str] | None = None,
         connection: Connection | None = None,
         heartbeat: float = 5.0,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics or NO_METRICS
         self._owns_connection = connection is None
         if connection is None:
             settings = settings if settings is not None else Settings.from_env()
@@ -180,6 +191,7 @@ class EndpointWatcher:
         self._lock = threading.Lock()
         self._cache: dict[str, _Entry] = {}
         self._revision = 0
+        self._newest = 0  # newest etcd revision seen in any response: lag = newest - applied
         self._listed = threading.Event()
         self._needs_list = True
         self._sinks: list[_Sink] = []
@@ -359,6 +371,8 @@ class EndpointWatcher:
             self._last_error = reason
             self._last_exc = exc
             self._reconnects += 1
+        self._metrics.watcher_connected(self.prefix, False)
+        self._metrics.watcher_reconnect(self.prefix, _cause(exc))
         log.warning("watch of %s interrupted (%s); reconnecting", self.prefix, reason)
 
     def _session(self) -> None:
@@ -373,8 +387,10 @@ class EndpointWatcher:
         try:
             for response in stream:
                 self._mark_connected()
+                self._newest = max(self._newest, response.header.revision)
                 if response.events:
                     self._apply(response.events)
+                self._metrics.watcher_revision(self.prefix, self._revision, self._newest)
         except Compacted as exc:
             log.warning("watch of %s fell behind compaction (%s); listing again", self.prefix, exc)
             self._needs_list = True
@@ -395,6 +411,7 @@ class EndpointWatcher:
             if self._state is not WatcherState.STOPPED:
                 self._state = WatcherState.CONNECTED
             self._last_success = datetime.now(UTC)
+        self._metrics.watcher_connected(self.prefix, True)
 
     def _relist(self) -> None:
         # One attempt per page: this loop's own backoff retries, and reports, failures.
@@ -420,9 +437,13 @@ class EndpointWatcher:
             self._revision = revision
             if self._listed.is_set():
                 self._relists += 1
+                self._metrics.watcher_relist(self.prefix, "compaction")
             self._needs_list = False
             self._publish_locked(tuple(batch))
             self._listed.set()
+        self._newest = max(self._newest, revision)
+        self._metrics.events_applied(self.prefix, (e.type.value for e in batch), 0.0)
+        self._metrics.watcher_revision(self.prefix, revision, self._newest)
         self._mark_connected()
 
     def _decode(self, key: str, raw_key: bytes, value: bytes) -> EngineRecord | None:
@@ -432,12 +453,15 @@ class EndpointWatcher:
         except RecordDecodeError as exc:
             with self._lock:
                 self._skipped += 1
+            self._metrics.malformed_value(self.prefix)
             log.warning("skipping malformed value: %s", exc)
             return None
         return record if record.matches(self.selector) else None
 
     def _apply(self, events: Sequence[Any]) -> None:
         """Apply one response's events, one batch per revision."""
+        started = time.perf_counter()
+        applied: list[str] = []
         batch: list[EndpointEvent] = []
         current = events[0].kv.mod_revision
         decoded = []
@@ -453,8 +477,10 @@ class EndpointWatcher:
                 change = self._change_locked(key, revision, is_put, record)
                 if change is not None:
                     batch.append(change)
+                    applied.append(change.type.value)
                 self._revision = max(self._revision, revision)
             self._publish_locked(tuple(batch))
+        self._metrics.events_applied(self.prefix, iter(applied), time.perf_counter() - started)
 
     def _change_locked(
         self, key: str, revision: int, is_put: bool, record: EngineRecord | None
@@ -475,6 +501,15 @@ class EndpointWatcher:
         if batch:
             for sink in self._sinks:
                 sink.deliver(batch)
+
+
+def _cause(exc: BaseException) -> str:
+    """The reconnect cause a metric is labelled with."""
+    if isinstance(exc, Compacted):
+        return "compaction"
+    if isinstance(exc, StreamSilentError):
+        return "timeout"
+    return "stream_error"
 
 
 class _CallbackSink:

@@ -30,6 +30,7 @@ INTENDED = {
     "MAX_VALUE_BYTES",
     # settings and connection
     "Settings",
+    "Metrics",
     "Connection",
     # registration
     "register_engine",

@@ -1,0 +1,266 @@
+"""Prometheus metrics, only when asked for: ``Metrics(registry)`` and pass it along.
+
+Nothing is registered anywhere unless a caller builds a ``Metrics`` on a
+``prometheus_client.CollectorRegistry`` and hands it to ``register_engine``,
+``EndpointWatcher``, ``RoutingTable`` or ``Router`` (``metrics=``). Components given no
+``Metrics`` use ``NO_METRICS``, whose methods do nothing.
+
+Names follow Prometheus conventions: ``discovery_`` prefix, ``_total`` counters, seconds.
+Labels stay bounded: ``engine_id`` (engines this process registers or routes to),
+``prefix`` (watched prefixes), small enums (``state``, ``type``, ``cause``, ``policy``).
+Gauges that describe live objects are read at scrape time, so hot paths pay nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["NO_METRICS", "Metrics"]
+
+_REGISTRATION_STATES = ("registering", "registered", "lost", "closed")
+
+
+class _NoMetrics:
+    """Accepts every Metrics call and does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _ignore
+
+
+def _ignore(*args: object, **kwargs: object) -> None:
+    return None
+
+
+NO_METRICS: Any = _NoMetrics()
+
+
+class Metrics:
+    """discovery's Prometheus metrics, registered in ``registry``.
+
+    Build one per registry and pass it as ``metrics=`` to the objects to observe.
+    Requires ``prometheus-client`` (``pip install 'discovery[metrics]'``).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        try:
+            from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "discovery metrics need prometheus-client: pip install 'discovery[metrics]'"
+            ) from exc
+        self.registry = registry
+        self._lock = threading.Lock()
+        self._keepalives: dict[str, float] = {}
+        self._stated: set[str] = set()
+        self._routers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._tables: weakref.WeakSet[Any] = weakref.WeakSet()
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return Gauge(name, doc, labels, registry=registry)
+
+        # registration
+        self._state = gauge(
+            "discovery_registration_state",
+            "1 for the current state of each registration, else 0.",
+            ("engine_id", "state"),
+        )
+        self._grants = counter("discovery_lease_grants_total", "Leases granted for registrations.")
+        self._keepalive_failures = counter(
+            "discovery_keepalive_failures_total",
+            "Keepalives that could not be sent or were not answered in time.",
+        )
+        self._reregistrations = counter(
+            "discovery_reregistrations_total",
+            "Records written again after a lease was lost.",
+        )
+        self._revoke = Histogram(
+            "discovery_revoke_duration_seconds",
+            "Time to revoke a registration's lease on close.",
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
+        # watcher
+        self._connected = gauge(
+            "discovery_watcher_connected", "1 while the watch stream is up.", ("prefix",)
+        )
+        self._reconnects = counter(
+            "discovery_watcher_reconnects_total",
+            "Watch streams re-established, by cause.",
+            ("prefix", "cause"),
+        )
+        self._relists = counter(
+            "discovery_watcher_relists_total",
+            "Prefix listed again after the start, by cause.",
+            ("prefix", "cause"),
+        )
+        self._events = counter(
+            "discovery_watcher_events_total", "Events applied, by type.", ("prefix", "type")
+        )
+        self._malformed = counter(
+            "discovery_watcher_malformed_values_total",
+            "Values under the prefix that could not be decoded.",
+            ("prefix",),
+        )
+        self._revision = gauge(
+            "discovery_watcher_revision", "etcd revision the watcher has applied.", ("prefix",)
+        )
+        self._lag = gauge(
+            "discovery_watcher_lag_revisions",
+            "Newest etcd revision seen minus the revision applied.",
+            ("prefix",),
+        )
+        self._apply = Histogram(
+            "discovery_watcher_apply_duration_seconds",
+            "Time to decode and apply one watch response.",
+            ("prefix",),
+            registry=registry,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1),
+        )
+        # routing
+        self._picks = counter(
+            "discovery_router_picks_total", "Engines picked, by the policy that chose.", ("policy",)
+        )
+        self._no_fit = counter(
+            "discovery_router_no_engine_total", "Picks that found no engine passing the filters."
+        )
+        registry.register(_LiveCollector(self))
+
+    # -- registration ------------------------------------------------------------------
+
+    def registration_state(self, engine_id: str, state: str) -> None:
+        """Set the state gauge of ``engine_id``; a closed registration's series go away."""
+        with self._lock:
+            if state == "closed":
+                self._keepalives.pop(engine_id, None)
+                if engine_id in self._stated:
+                    self._stated.discard(engine_id)
+                    for name in _REGISTRATION_STATES:
+                        self._state.remove(engine_id, name)
+                return
+            self._stated.add(engine_id)
+        for name in _REGISTRATION_STATES:
+            self._state.labels(engine_id, name).set(1 if name == state else 0)
+
+    def lease_granted(self) -> None:
+        """Count a lease grant."""
+        self._grants.inc()
+
+    def keepalive_ok(self, engine_id: str) -> None:
+        """Remember when ``engine_id`` last had a keepalive answered."""
+        with self._lock:
+            self._keepalives[engine_id] = time.monotonic()
+
+    def keepalive_failed(self) -> None:
+        """Count a keepalive that could not be sent or went unanswered."""
+        self._keepalive_failures.inc()
+
+    def reregistered(self) -> None:
+        """Count a record written again after a loss."""
+        self._reregistrations.inc()
+
+    def revoked(self, seconds: float) -> None:
+        """Observe how long a revoke took."""
+        self._revoke.observe(seconds)
+
+    # -- watcher -----------------------------------------------------------------------
+
+    def watcher_connected(self, prefix: str, connected: bool) -> None:
+        """Set the connected gauge."""
+        self._connected.labels(prefix).set(1 if connected else 0)
+
+    def watcher_reconnect(self, prefix: str, cause: str) -> None:
+        """Count a reconnect: ``stream_error``, ``compaction`` or ``timeout``."""
+        self._reconnects.labels(prefix, cause).inc()
+
+    def watcher_relist(self, prefix: str, cause: str) -> None:
+        """Count a relist after the first list."""
+        self._relists.labels(prefix, cause).inc()
+
+    def events_applied(self, prefix: str, types: Iterator[str], seconds: float) -> None:
+        """Count applied events by type and observe the apply time."""
+        for kind in types:
+            self._events.labels(prefix, kind).inc()
+        self._apply.labels(prefix).observe(seconds)
+
+    def malformed_value(self, prefix: str) -> None:
+        """Count a value that did not decode."""
+        self._malformed.labels(prefix).inc()
+
+    def watcher_revision(self, prefix: str, applied: int, newest: int) -> None:
+        """Set the applied revision and the lag behind the newest revision seen."""
+        self._revision.labels(prefix).set(applied)
+        self._lag.labels(prefix).set(max(0, newest - applied))
+
+    # -- routing -----------------------------------------------------------------------
+
+    def picked(self, policy: str) -> None:
+        """Count a pick by the policy that chose."""
+        self._picks.labels(policy).inc()
+
+    def no_engine(self) -> None:
+        """Count a pick that found no engine."""
+        self._no_fit.inc()
+
+    def observe_router(self, router: Any) -> None:
+        """Export ``router``'s in-flight requests per engine at scrape time."""
+        self._routers.add(router)
+
+    def observe_table(self, table: Any) -> None:
+        """Export ``table``'s engine count (labelled by its selector) at scrape time."""
+        self._tables.add(table)
+
+
+class _LiveCollector:
+    """Gauges read from live objects when Prometheus scrapes."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = weakref.ref(metrics)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+
+        metrics = self._metrics()
+        if metrics is None:
+            return
+        now = time.monotonic()
+        age = GaugeMetricFamily(
+            "discovery_keepalive_age_seconds",
+            "Seconds since the registration's last answered keepalive.",
+            labels=["engine_id"],
+        )
+        with metrics._lock:
+            for engine_id, at in metrics._keepalives.items():
+                age.add_metric([engine_id], now - at)
+        yield age
+        engines = GaugeMetricFamily(
+            "discovery_routing_engines", "Engines in the routing table.", labels=["selector"]
+        )
+        for table in list(metrics._tables):
+            selector = ",".join(f"{k}={v}" for k, v in sorted(table.watcher.selector.items()))
+            engines.add_metric([selector], len(table))
+        yield engines
+        in_flight = GaugeMetricFamily(
+            "discovery_router_in_flight",
+            "Unreleased pick handles per engine.",
+            labels=["engine_id"],
+        )
+        totals: dict[str, int] = {}
+        for router in list(metrics._routers):
+            for engine_id, count in router.in_flight().items():
+                totals[engine_id] = totals.get(engine_id, 0) + count
+        for engine_id, count in sorted(totals.items()):
+            in_flight.add_metric([engine_id], count)
+        yield in_flight
