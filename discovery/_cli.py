@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -68,16 +69,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         name: getattr(args, name, None)
         for name in (
             "endpoints", "root", "namespace", "dial_timeout", "request_timeout",
-            "ca_cert", "cert", "key", "username",
+            "ca_cert", "cert", "key", "username", "password_file",
         )
     }  # fmt: skip
-    environ = None
-    if getattr(args, "password_file", None):
-        import os  # noqa: PLC0415
-
-        environ = {**os.environ, "DISCOVERY_ETCD_PASSWORD_FILE": args.password_file}
-        environ.pop("DISCOVERY_ETCD_PASSWORD", None)
-    return Settings.from_env(environ, **overrides)
+    if overrides["password_file"]:  # the flag wins over $DISCOVERY_ETCD_PASSWORD too
+        environ = {k: v for k, v in os.environ.items() if k != "DISCOVERY_ETCD_PASSWORD"}
+        return Settings.from_env(environ, **overrides)
+    return Settings.from_env(**overrides)
 
 
 class _JsonFormatter(logging.Formatter):

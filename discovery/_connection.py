@@ -275,7 +275,7 @@ class Connection:
                 endpoints=members,
                 timeout=s.request_timeout,
                 user=s.username,
-                password=s.password,
+                password=s.read_password(),  # a rotated password file is read again
                 failover=True,
             )
         except BaseException:

@@ -33,8 +33,8 @@ _ENV_NAMES = {
     "key": "ETCD_KEY",
     "username": "ETCD_USERNAME",
     "password": "ETCD_PASSWORD",
+    "password_file": "ETCD_PASSWORD_FILE",
 }
-_PASSWORD_FILE_ENV = "ETCD_PASSWORD_FILE"
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -45,7 +45,9 @@ class Settings:
     (http), as a sequence or one comma-separated string. ``https`` endpoints use TLS,
     verified against ``ca_cert`` (system roots when it is None); ``cert``/``key`` add a
     client certificate. ``dial_timeout`` bounds how long a one-shot call keeps retrying
-    an unreachable cluster; ``request_timeout`` bounds each RPC.
+    an unreachable cluster; ``request_timeout`` bounds each RPC. ``password_file`` is an
+    alternative to ``password``: the file is read again every time the client
+    authenticates, so a rotated secret is picked up without a restart.
     """
 
     endpoints: Sequence[str] = (DEFAULT_ENDPOINT,)
@@ -58,6 +60,7 @@ class Settings:
     key: str | None = None
     username: str | None = None
     password: str | None = None
+    password_file: str | None = None
 
     def __post_init__(self) -> None:
         """Normalise and check every field; raise ConfigurationError on the first problem."""
@@ -90,10 +93,14 @@ class Settings:
                 raise ConfigurationError(f"{name} must be a positive number of seconds")
             object.__setattr__(self, name, float(value))
         self._check_tls(tls=secure == {True})
-        if (self.username is None) != (self.password is None):
+        if self.password is not None and self.password_file is not None:
+            raise ConfigurationError("give password or password_file, not both")
+        has_password = self.password is not None or self.password_file is not None
+        if (self.username is None) == has_password:
             raise ConfigurationError("username and password must be given together")
         if self.username == "":
             raise ConfigurationError("username must not be empty")
+        self.read_password()  # an unreadable password file fails now, not at first use
 
     def _check_tls(self, *, tls: bool) -> None:
         for name in ("ca_cert", "cert", "key"):
@@ -108,6 +115,19 @@ class Settings:
                 raise ConfigurationError(f"{name}: file {path!r} does not exist")
         if (self.cert is None) != (self.key is None):
             raise ConfigurationError("cert and key must be given together (client certificate)")
+
+    def read_password(self) -> str | None:
+        """The password: ``password``, or the current content of ``password_file``."""
+        if self.password_file is None:
+            return self.password
+        try:
+            with open(self.password_file, encoding="utf-8") as handle:
+                return handle.read().strip()
+        except OSError as exc:
+            raise ConfigurationError(
+                f"password_file ({ENV_PREFIX}{_ENV_NAMES['password_file']}): cannot read "
+                f"{self.password_file!r} ({exc.strerror})"
+            ) from None
 
     @property
     def secure(self) -> bool:
@@ -128,7 +148,8 @@ class Settings:
         """Build settings from ``DISCOVERY_*`` variables; keyword arguments win over them.
 
         ``DISCOVERY_ETCD_PASSWORD_FILE`` names a file holding the password (a mounted
-        secret), as an alternative to ``DISCOVERY_ETCD_PASSWORD``.
+        secret), read at every authentication; ``DISCOVERY_ETCD_PASSWORD`` (or a
+        ``password`` argument) wins over it.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -137,10 +158,9 @@ class Settings:
             if raw is None or raw == "":
                 continue
             values[name] = _parse_env_number(suffix, raw) if name.endswith("timeout") else raw
-        password_file = env.get(ENV_PREFIX + _PASSWORD_FILE_ENV)
-        if password_file and "password" not in values:
-            values["password"] = _read_secret(password_file)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if "password" in values:
+            values.pop("password_file", None)
         return cls(**values)
 
     def __repr__(self) -> str:
@@ -155,9 +175,7 @@ class Settings:
 
 def env_names() -> dict[str, str]:
     """Every environment variable Settings.from_env reads, by settings field."""
-    names = {field: ENV_PREFIX + suffix for field, suffix in _ENV_NAMES.items()}
-    names["password_file"] = ENV_PREFIX + _PASSWORD_FILE_ENV
-    return names
+    return {field: ENV_PREFIX + suffix for field, suffix in _ENV_NAMES.items()}
 
 
 def _parse_endpoint(text: str) -> str:
@@ -194,14 +212,4 @@ def _parse_env_number(suffix: str, raw: str) -> float:
     except ValueError:
         raise ConfigurationError(
             f"{ENV_PREFIX}{suffix}={raw!r} is not a number of seconds"
-        ) from None
-
-
-def _read_secret(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip()
-    except OSError as exc:
-        raise ConfigurationError(
-            f"{ENV_PREFIX}{_PASSWORD_FILE_ENV}: cannot read {path!r} ({exc.strerror})"
         ) from None

@@ -287,7 +287,11 @@ class EtcdCluster:
         raise EtcdStartError("no leader found")
 
     def etcdctl(
-        self, *args: str, endpoints: Sequence[EtcdMember] = (), env: dict[str, str] | None = None
+        self,
+        *args: str,
+        endpoints: Sequence[EtcdMember] = (),
+        env: dict[str, str] | None = None,
+        input_text: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run etcdctl against the cluster (or the given members); output as text."""
         urls = [m.client_url for m in (endpoints or self.members)]
@@ -298,7 +302,13 @@ class EtcdCluster:
                 command += ["--cert", self.tls.client_cert, "--key", self.tls.client_key]
         full_env = {**os.environ, "ETCDCTL_API": "3", **(env or {})}
         return subprocess.run(
-            [*command, *args], check=False, capture_output=True, text=True, env=full_env, timeout=30
+            [*command, *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=30,
+            input=input_text,
         )
 
     def stop(self) -> None:

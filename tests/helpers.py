@@ -36,27 +36,36 @@ def wait_for(
         time.sleep(interval)
 
 
-def make_endpoint(
-    index: int = 0,
-    policy: PrefixCachingCoordinatorPolicy
-    | None = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
-    **overrides,
-) -> InferenceEngineEndpoint:
-    caps = dict(
+def caps_kwargs(**overrides) -> dict:
+    """The seven required capability fields of a plausible engine, plus overrides."""
+    values = dict(
         context_length=8192,
         kv_cache_block_size=256,
-        total_kv_blocks=1000 + index,
+        total_kv_blocks=1000,
         max_num_seqs=64,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=4096,
         bos_token_id=1,
         enable_prefix_caching=True,
-        logical_data_parallel_size=1,
+    )
+    values.update(overrides)
+    return values
+
+
+FIRST_BLOCK = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK
+
+
+def make_endpoint(
+    index: int = 0, policy: PrefixCachingCoordinatorPolicy | None = FIRST_BLOCK, **overrides
+) -> InferenceEngineEndpoint:
+    """Engine number ``index``: its own address and block count."""
+    caps = caps_kwargs(
+        total_kv_blocks=1000 + index,
+        max_num_batched_tokens=8192,
         prefix_caching_coordinator_policy=policy,
     )
     caps.update(overrides)
-    return InferenceEngineEndpoint(
-        f"tcp://10.1.{index // 250}.{index % 250}:5555", InferenceEngineCapabilities(**caps)
-    )
+    address = f"tcp://10.1.{index // 250}.{index % 250}:5555"
+    return InferenceEngineEndpoint(address, InferenceEngineCapabilities(**caps))
 
 
 def cli_env(settings: Settings) -> dict[str, str]:

@@ -24,6 +24,8 @@ from discovery import (
 )
 from discovery._codec import decode, encode, validate_engine_id, validate_labels
 
+from .helpers import caps_kwargs
+
 Policy = PrefixCachingCoordinatorPolicy
 ADDRESS = "tcp://10.0.0.1:5555"
 KEY = "/inference/v1/default/engines/engine-1"
@@ -35,20 +37,8 @@ NON_STR_NAMES = [None, 5, b"engine", ["a"]]
 
 
 def make_endpoint(policy: Policy | None = Policy.FIRST_PREFIX_BLOCK) -> InferenceEngineEndpoint:
-    return InferenceEngineEndpoint(
-        ADDRESS,
-        InferenceEngineCapabilities(
-            context_length=8192,
-            kv_cache_block_size=256,
-            total_kv_blocks=1000,
-            max_num_seqs=64,
-            max_num_batched_tokens=4096,
-            bos_token_id=1,
-            enable_prefix_caching=True,
-            logical_data_parallel_size=2,
-            prefix_caching_coordinator_policy=policy,
-        ),
-    )
+    caps = caps_kwargs(logical_data_parallel_size=2, prefix_caching_coordinator_policy=policy)
+    return InferenceEngineEndpoint(ADDRESS, InferenceEngineCapabilities(**caps))
 
 
 def make_record(**overrides: Any) -> EngineRecord:

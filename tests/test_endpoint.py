@@ -25,6 +25,8 @@ from discovery import (
 )
 from discovery._codec import encode
 
+from .helpers import caps_kwargs
+
 Policy = PrefixCachingCoordinatorPolicy
 
 FIELD_ORDER = (
@@ -62,20 +64,6 @@ POLICY_VALUES = {
 }
 ALL_POLICIES = [*Policy, None]
 ADDRESS = "tcp://10.0.0.1:5555"
-
-
-def caps_kwargs(**overrides: Any) -> dict[str, Any]:
-    values: dict[str, Any] = dict(
-        context_length=8192,
-        kv_cache_block_size=256,
-        total_kv_blocks=1000,
-        max_num_seqs=64,
-        max_num_batched_tokens=4096,
-        bos_token_id=1,
-        enable_prefix_caching=True,
-    )
-    values.update(overrides)
-    return values
 
 
 def make_caps(**overrides: Any) -> InferenceEngineCapabilities:

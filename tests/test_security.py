@@ -339,3 +339,35 @@ def test_no_secret_in_logs_reprs_errors_or_cli_output(
     leaks = [text for text in texts if SECRET in text]
     assert not leaks, leaks[:3]
     assert any("(2 engines)" in t or "(0 engines)" in t for t in texts)  # the CLI did run
+
+
+def test_rotated_password_file_is_picked_up_without_a_restart(
+    etcd_auth: EtcdCluster, tmp_path: Path
+) -> None:
+    password_file = tmp_path / "engine-a"
+    password_file.write_text(SECRET + "\n")
+    settings = Settings(
+        endpoints=etcd_auth.endpoints,
+        namespace="a",
+        username="engine-a",
+        password_file=str(password_file),
+        dial_timeout=5,
+    )
+    with register_engine(make_endpoint(), engine_id="rotating", ttl=5, settings=settings) as reg:
+        new_password = SECRET + "-2"
+        password_file.write_text(new_password + "\n")  # the mounted secret changes first
+        result = etcd_auth.etcdctl(
+            "--user",
+            f"root:{SECRET}",
+            "user",
+            "passwd",
+            "engine-a",
+            "--interactive=false",
+            input_text=new_password,
+        )
+        assert result.returncode == 0, result.stderr
+        # The old token is gone; the next write authenticates again with the new file.
+        reg.update(labels={"rotated": "yes"})
+        lease = reg.lease_id
+    assert _ctl(etcd_auth, "get", "--prefix", "/inference/v1/a/engines/") == ""  # revoked
+    assert f"{lease:016x}" not in _ctl(etcd_auth, "lease", "list")

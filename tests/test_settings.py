@@ -338,7 +338,26 @@ def test_from_env_reads_the_password_file(tmp_path: Path) -> None:
         "DISCOVERY_ETCD_USERNAME": "router",
         "DISCOVERY_ETCD_PASSWORD_FILE": str(secret),
     }
-    assert Settings.from_env(environ).password == PASSWORD
+    settings = Settings.from_env(environ)
+    assert settings.read_password() == PASSWORD
+    assert settings.password is None and settings.password_file == str(secret)
+    assert PASSWORD not in repr(settings)
+
+
+def test_password_file_is_read_again_at_each_authentication(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("first\n")
+    settings = Settings(username="u", password_file=str(secret))
+    assert settings.read_password() == "first"
+    secret.write_text("rotated\n")
+    assert settings.read_password() == "rotated"
+
+
+def test_password_and_password_file_are_exclusive(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("x")
+    with pytest.raises(ConfigurationError, match="not both"):
+        Settings(username="u", password=PASSWORD, password_file=str(secret))
 
 
 def test_from_env_password_wins_over_password_file(tmp_path: Path) -> None:
@@ -357,7 +376,7 @@ def test_from_env_unreadable_password_file_names_the_variable(tmp_path: Path) ->
     environ = {"DISCOVERY_ETCD_USERNAME": "u", "DISCOVERY_ETCD_PASSWORD_FILE": missing}
     with pytest.raises(
         ConfigurationError,
-        match=f"DISCOVERY_ETCD_PASSWORD_FILE: cannot read {re.escape(repr(missing))}",
+        match=rf"\(DISCOVERY_ETCD_PASSWORD_FILE\): cannot read {re.escape(repr(missing))}",
     ):
         Settings.from_env(environ)
 
