@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +55,35 @@ class Dispatcher:
         self._queue.put(_STOP)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class Listeners(Generic[F]):
+    """A thread-safe set of callbacks; ``add()`` returns the function that removes one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[F] = []
+
+    def add(self, callback: F) -> Callable[[], None]:
+        """Add ``callback``; call the returned function to remove it (idempotent)."""
+        with self._lock:
+            self._items.append(callback)
+
+        def remove() -> None:
+            with self._lock:
+                if callback in self._items:
+                    self._items.remove(callback)
+
+        return remove
+
+    def __iter__(self) -> Iterator[F]:
+        """The callbacks at this moment (a copy: safe to iterate outside any lock)."""
+        with self._lock:
+            return iter(list(self._items))
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._items)

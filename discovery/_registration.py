@@ -41,7 +41,7 @@ import etcd3
 
 from ._codec import EngineRecord, encode, validate_engine_id
 from ._connection import Connection, KeepAliveStream, describe, is_transient, translate
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, Listeners
 from ._endpoint import DynamicEngineLike, InferenceEngineEndpoint
 from ._errors import (
     ClosedError,
@@ -257,7 +257,7 @@ class Registration:
         self._dirty = False
         self._next_at = 0.0
         self._retry_delay = _RETRY_MIN
-        self._listeners: list[Callable[[RegistrationState], None]] = []
+        self._listeners: Listeners[Callable[[RegistrationState], None]] = Listeners()
         self._registrations = 0
         self._losses = 0
         self._last_error: str | None = None
@@ -307,15 +307,7 @@ class Registration:
 
     def subscribe(self, callback: Callable[[RegistrationState], None]) -> Callable[[], None]:
         """Call ``callback(new_state)`` on every state change; returns an unsubscribe."""
-        with self._lock:
-            self._listeners.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._listeners:
-                    self._listeners.remove(callback)
-
-        return unsubscribe
+        return self._listeners.add(callback)
 
     def wait_for_state(self, state: RegistrationState, timeout: float | None = None) -> bool:
         """Block until the state is ``state``; False on timeout."""
@@ -429,13 +421,12 @@ class Registration:
             if state is RegistrationState.LOST:
                 self._losses += 1
                 self._last_error = error
-            listeners = list(self._listeners)
             self._state_changed.notify_all()
         self._metrics.registration_state(self.engine_id, state.value)
         level = logging.WARNING if state is RegistrationState.LOST else logging.INFO
         log.log(level, "%s: %s -> %s%s", self.engine_id, old, state, f" ({error})" if error else "")
         if self._keeper is not None:
-            for listener in listeners:
+            for listener in self._listeners:
                 self._keeper.dispatcher.submit(listener, state)
 
     # -- etcd operations (run on the caller's thread at start, then on the keeper) -----

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from ._codec import EngineRecord
 from ._connection import Connection
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, Listeners
 from ._metrics import Metrics
 from ._settings import Settings
 from ._watcher import EndpointEvent, EndpointWatcher, EventType
@@ -74,7 +74,7 @@ class RoutingTable:
         self._records: dict[str, EngineRecord] = {}
         self._revision = 0
         self._snapshot: RoutingSnapshot | None = None
-        self._listeners: list[TableListener] = []
+        self._listeners: Listeners[TableListener] = Listeners()
         self._dispatcher = Dispatcher("discovery-table-events")
         self._remove_sink: Callable[[], None] | None = None
 
@@ -112,11 +112,10 @@ class RoutingTable:
                     self._records[event.engine_id] = event.record
             self._revision = max(self._revision, batch[-1].revision)
             self._snapshot = None
-            listeners = list(self._listeners)
             self._cond.notify_all()
-        if listeners:
+        if self._listeners:
             snapshot = self.snapshot()
-            for listener in listeners:
+            for listener in self._listeners:
                 self._dispatcher.submit(listener, batch, snapshot)
 
     def close(self) -> None:
@@ -174,12 +173,4 @@ class RoutingTable:
 
         Listeners run in order on a background thread, outside the table's lock.
         """
-        with self._cond:
-            self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with self._cond:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._listeners.add(listener)

@@ -105,7 +105,9 @@ def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
 def test_reconnect_and_compaction_relist_metrics(etcd3) -> None:
     member = etcd3.members[0]
     lonely = Settings(endpoints=[member.client_url], namespace="metrics", dial_timeout=10)
-    others = Settings(endpoints=[m.client_url for m in etcd3.members[1:]], namespace="metrics")
+    others = Settings(
+        endpoints=[m.client_url for m in etcd3.members[1:]], namespace="metrics", dial_timeout=15
+    )
     prefix = lonely.keyspace.prefix
     registry = CollectorRegistry()
     with (

@@ -71,6 +71,19 @@ def _table_state(table: RoutingTable) -> dict[str, bytes]:
     return {engine_id: encode(record) for engine_id, record in table.snapshot().items()}
 
 
+def _wait_table_equals_etcd(table: RoutingTable, settings: Settings, timeout: float = 20) -> None:
+    try:
+        wait_for(lambda: _table_state(table) == _etcd_state(settings), timeout, "table == etcd")
+    except AssertionError:
+        ours, theirs = _table_state(table), _etcd_state(settings)
+        differ = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
+        raise AssertionError(
+            f"table != etcd: missing {sorted(theirs.keys() - ours.keys())[:5]}, extra "
+            f"{sorted(ours.keys() - theirs.keys())[:5]}, differ {differ[:5]}; "
+            f"{table.watcher.health()}"
+        ) from None
+
+
 def test_events_added_updated_removed_with_last_known_record(settings: Settings) -> None:
     client = _raw(settings)
     key = settings.keyspace.key("e1")
@@ -268,11 +281,7 @@ def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
         wait_for(lambda: len(written) > count + 50, timeout=15, message="writes after the restart")
         stop.set()
         thread.join(10)
-        wait_for(
-            lambda: _table_state(table) == _etcd_state(settings),
-            timeout=10,
-            message="table == etcd",
-        )
+        _wait_table_equals_etcd(table, settings)
         assert watcher.health().reconnects >= 1
         assert watcher.health().state is WatcherState.CONNECTED
     _check_nothing_lost(recorder, written)
@@ -294,11 +303,7 @@ def test_leader_kill_on_three_members_loses_nothing(etcd3) -> None:
         etcd3.wait_healthy(members=[leader])
         stop.set()
         thread.join(10)
-        wait_for(
-            lambda: _table_state(table) == _etcd_state(settings),
-            timeout=10,
-            message="table == etcd",
-        )
+        _wait_table_equals_etcd(table, settings)
     _check_nothing_lost(recorder, written)
 
 
@@ -306,7 +311,9 @@ def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
     """The watcher talks to one member; while it is down the others change and compact."""
     member = etcd3.members[0]
     lonely = Settings(endpoints=[member.client_url], namespace="compact", dial_timeout=10)
-    others = Settings(endpoints=[m.client_url for m in etcd3.members[1:]], namespace="compact")
+    others = Settings(
+        endpoints=[m.client_url for m in etcd3.members[1:]], namespace="compact", dial_timeout=15
+    )
     conn = Connection(others)  # retries through the election if the leader was killed
     k = others.keyspace.key
     for i in range(4):
