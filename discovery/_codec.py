@@ -32,7 +32,7 @@ DEFAULT_NAMESPACE = "default"
 MAX_VALUE_BYTES = 16 * 1024
 """Largest encoded value we write; a full record with a dozen labels is under 1 KiB."""
 
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,128}")  # and not only dots
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 _MAX_LABEL_VALUE = 256
 _MAX_LABELS = 64
@@ -41,7 +41,7 @@ _MAX_LABELS = 64
 def _check_name(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise InvalidRecordError(f"{what} must be a string, not {type(value).__name__}")
-    if not _NAME.fullmatch(value) or set(value) == {"."}:
+    if not _NAME.fullmatch(value):
         raise InvalidRecordError(
             f"{what} {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-' "
             "(and not only dots)"

@@ -33,11 +33,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import etcd3
+import grpc
 
 from ._codec import EngineRecord, encode, validate_engine_id
 from ._connection import Connection, KeepAliveStream, describe, is_transient, translate
@@ -68,6 +70,7 @@ _RETRY_MIN = 0.1
 _RETRY_MAX = 0.5  # while lost, try often: the record must be back within ~2 s of etcd
 _STREAM_REOPEN_MIN = 0.2
 _EXIT_TIMEOUT = 2.0  # at interpreter exit, do not hang on an unreachable etcd
+_RECOVERY_WORKERS = 4
 
 
 class RegistrationState(enum.StrEnum):
@@ -124,6 +127,9 @@ class _Keeper:
         self._stream_opened = 0.0
         self._stopped = False
         self.dispatcher = Dispatcher("discovery-registration-events")
+        # Re-registering takes blocking RPCs; on the keeper thread they would delay every
+        # other lease's keepalive past its TTL after a mass loss (and the losses cascade).
+        self._recoveries = ThreadPoolExecutor(_RECOVERY_WORKERS, "discovery-recover")
         self._thread = threading.Thread(target=self._run, name="discovery-keeper", daemon=True)
         self._thread.start()
 
@@ -152,37 +158,51 @@ class _Keeper:
             if reg._next_at == at:  # else a newer schedule entry supersedes this one
                 reg._step(self)
 
-    def send_keepalive(self, lease_id: int) -> bool:
-        """Send one keepalive on the shared stream, (re)opening it; False if it cannot."""
+    def recover(self, reg: Registration) -> None:
+        """Re-register ``reg`` on a recovery thread."""
+        with contextlib.suppress(RuntimeError):  # stopping: nothing to recover any more
+            self._recoveries.submit(reg._recover_job, self)
+
+    @property
+    def stream(self) -> KeepAliveStream | None:
+        """The live keepalive stream, if any."""
+        return self._stream
+
+    def send_keepalive(self, lease_id: int) -> KeepAliveStream | None:
+        """Send one keepalive on the shared stream, (re)opening it; the stream, or None."""
         stream = self._stream
         if stream is None:
             now = time.monotonic()
             if now - self._stream_opened < _STREAM_REOPEN_MIN:
-                return False
+                return None
             self._stream_opened = now
             try:
                 stream = self._conn.open_keepalive()
             except Exception as exc:
                 log.warning("cannot open lease keepalive stream: %s", describe(exc))
-                return False
+                return None
             self._stream = stream
             threading.Thread(
                 target=self._read, args=(stream,), name="discovery-keepalive-reader", daemon=True
             ).start()
         stream.send_keepalive(lease_id)
-        return True
+        return stream
 
-    def reset_stream(self, *, unanswered: bool = False) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            if unanswered:
-                stream.abandon()  # its member stopped answering: use another one
-            else:
+    def reset_stream(self, stream: KeepAliveStream | None = None) -> None:
+        """Drop ``stream`` (a live one that stopped answering), or the live one on stop."""
+        if stream is None:
+            stream, self._stream = self._stream, None
+            if stream is not None:
                 stream.cancel()
+        elif stream is self._stream:  # only once, whoever notices first
+            self._stream = None
+            stream.abandon()  # its member stopped answering: use another one
 
     def _read(self, stream: KeepAliveStream) -> None:
         try:
             for lease_id, ttl in stream:
+                if stream is not self._stream:
+                    return  # replaced: its late answers would date renewals wrongly
                 with self._cond:
                     reg = self._by_lease.get(lease_id)
                 if reg is not None:
@@ -199,6 +219,7 @@ class _Keeper:
             self._stopped = True
             self._cond.notify()
         self.reset_stream()
+        self._recoveries.shutdown(wait=False, cancel_futures=True)
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self.dispatcher.stop()
@@ -253,7 +274,8 @@ class Registration:
         self._lease_id: int | None = None
         self._mod_revision = 0
         self._deadline = 0.0
-        self._awaiting: float | None = None
+        self._awaiting: float | None = None  # when the unanswered keepalive went out
+        self._awaiting_on: KeepAliveStream | None = None  # ...and on which stream
         self._dirty = False
         self._next_at = 0.0
         self._retry_delay = _RETRY_MIN
@@ -380,7 +402,7 @@ class Registration:
         try:
             if lease_id is not None:
                 started = time.monotonic()
-                self._conn.call(lambda client: client.revoke_lease(lease_id), timeout=timeout)
+                self._conn.call(lambda client: _revoke(client, lease_id), timeout=timeout)
                 self._metrics.revoked(time.monotonic() - started)
                 log.info("deregistered %s (lease %016x revoked)", self.engine_id, lease_id)
         except DiscoveryError as exc:
@@ -432,10 +454,22 @@ class Registration:
     # -- etcd operations (run on the caller's thread at start, then on the keeper) -----
 
     def _write(self, client: etcd3.MultiEndpointEtcd3Client, *, replace: bool) -> None:
-        """Put the record on a live lease: the current one if it survived, else a new one."""
+        """Put the record on a live lease: the current one if it survived, else a new one.
+
+        When the lease survived and the key is still on it, nothing was lost in etcd:
+        the record is left alone (watchers see no ``updated`` churn after a stall).
+        """
         previous = self._lease_id
-        alive = previous is not None and client.get_lease_info(previous).TTL > 0
-        lease_id = previous if alive else client.lease(self.ttl).id
+        remaining = client.get_lease_info(previous).TTL if previous is not None else 0
+        started = time.monotonic()
+        if remaining > 0 and not self._dirty:
+            _, meta = client.get(self.key)
+            if meta is not None and meta.lease_id == previous:
+                with self._lock:
+                    self._deadline = started + remaining
+                    self._awaiting = None
+                return
+        lease_id = previous if remaining > 0 else client.lease(self.ttl).id
         record = replace_time(self._record)
         try:
             revision = self._put(client, lease_id, encode(record), replace=replace)
@@ -449,7 +483,7 @@ class Registration:
             self._record = record
             self._mod_revision = revision
             self._dirty = False
-            self._deadline = time.monotonic() + self.ttl
+            self._deadline = started + (remaining if lease_id == previous else self.ttl)
             self._awaiting = None
             if lease_id != previous:
                 self._registrations += 1
@@ -487,7 +521,7 @@ class Registration:
         holder = response.prev_kv.lease if response.prev_kv.key else 0
         if holder and holder != lease_id:
             # The previous holder (someone we replaced, or our own expiring lease) goes.
-            client.revoke_lease(holder)
+            _revoke(client, holder)
             if holder != self._lease_id:
                 log.warning("%s: replaced the record held by lease %016x", self.engine_id, holder)
         return response.header.revision
@@ -532,17 +566,20 @@ class Registration:
         if state is RegistrationState.REGISTERED:
             self._keepalive(keeper, now)
         else:
-            self._recover(keeper)
+            keeper.recover(self)
 
     def _keepalive(self, keeper: _Keeper, now: float) -> None:
         if self._awaiting is not None and now - self._awaiting >= self._interval:
-            # The previous keepalive was never answered: the stream may be dead.
+            # Unanswered for TTL/3. If it went out on the live stream, that stream is dead;
+            # if the stream was replaced since, it died with it. Either way: send again.
             self._metrics.keepalive_failed()
-            keeper.reset_stream(unanswered=True)
+            keeper.reset_stream(self._awaiting_on)
+            self._awaiting = None
         lease_id = self._lease_id
-        if lease_id is not None and keeper.send_keepalive(lease_id):
+        stream = keeper.send_keepalive(lease_id) if lease_id is not None else None
+        if stream is not None:
             if self._awaiting is None:
-                self._awaiting = now
+                self._awaiting, self._awaiting_on = now, stream
             delay = self._interval
         else:
             self._metrics.keepalive_failed()
@@ -569,6 +606,11 @@ class Registration:
         else:
             self._lose(f"lease {lease_id:016x} no longer exists (expired or revoked)")
 
+    def _recover_job(self, keeper: _Keeper) -> None:
+        with self._op_lock:
+            if self._state is not RegistrationState.CLOSED:
+                self._recover(keeper)
+
     def _recover(self, keeper: _Keeper) -> None:
         try:
             self._conn.attempt(lambda client: self._write(client, replace=False))
@@ -591,6 +633,15 @@ class Registration:
         self._set_state(RegistrationState.REGISTERED)
         # A surviving lease may be close to its end: renew it at once.
         keeper.schedule(self, time.monotonic())
+
+
+def _revoke(client: etcd3.MultiEndpointEtcd3Client, lease_id: int) -> None:
+    """Revoke a lease; one that no longer exists (it expired) is revoked already."""
+    try:
+        client.revoke_lease(lease_id)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
 
 
 def replace_time(record: EngineRecord) -> EngineRecord:

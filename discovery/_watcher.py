@@ -202,7 +202,7 @@ class EndpointWatcher:
         self._state = WatcherState.STARTING
         self._last_error: str | None = None
         self._last_exc: BaseException | None = None
-        self._last_success: datetime | None = None
+        self._last_success = 0.0  # time.time() of the last response; 0: none yet
         self._reconnects = 0
         self._relists = 0
         self._skipped = 0
@@ -330,7 +330,9 @@ class EndpointWatcher:
                 state=self._state,
                 revision=self._revision,
                 last_error=self._last_error,
-                last_success=self._last_success,
+                last_success=(
+                    datetime.fromtimestamp(self._last_success, UTC) if self._last_success else None
+                ),
                 reconnects=self._reconnects,
                 relists=self._relists,
                 skipped=self._skipped,
@@ -407,10 +409,14 @@ class EndpointWatcher:
             stream.close()
 
     def _mark_connected(self) -> None:
+        # Runs for every response: lock-free unless the state changes.
+        self._last_success = time.time()
+        if self._state is WatcherState.CONNECTED:
+            return
         with self._lock:
-            if self._state is not WatcherState.STOPPED:
-                self._state = WatcherState.CONNECTED
-            self._last_success = datetime.now(UTC)
+            if self._state is WatcherState.STOPPED:
+                return
+            self._state = WatcherState.CONNECTED
         self._metrics.watcher_connected(self.prefix, True)
 
     def _relist(self) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -442,3 +443,75 @@ def test_many_registrations_share_one_keeper_thread(settings: Settings) -> None:
             settings.endpoints, "get", "--prefix", "--keys-only", settings.keyspace.prefix
         )
         assert result.stdout.strip() == ""
+
+
+def _many(settings: Settings, count: int, ttl: int) -> tuple[Connection, list]:
+    conn = Connection(settings)
+    with ThreadPoolExecutor(8) as pool:
+        regs = list(
+            pool.map(
+                lambda i: register_engine(
+                    make_endpoint(i), engine_id=f"m{i}", ttl=ttl, connection=conn
+                ),
+                range(count),
+            )
+        )
+    return conn, regs
+
+
+def _stall(cluster, seconds: float, regs: list) -> None:
+    """SIGSTOP etcd for ``seconds`` (the fault under test: a stall of that length)."""
+    process = cluster.members[0].process
+    process.send_signal(signal.SIGSTOP)
+    try:
+        stalled = time.monotonic()
+        wait_for(
+            lambda: time.monotonic() - stalled >= seconds, timeout=seconds + 1, message="the stall"
+        )
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def test_a_short_stall_loses_no_registration_of_many(etcd, private_settings: Settings) -> None:
+    """A stall shorter than the TTL but longer than TTL/3 must not cascade into losses."""
+    conn, regs = _many(private_settings, 500, ttl=3)
+    try:
+        wait_for(lambda: all(r.health().last_keepalive for r in regs), message="keepalives")
+        _stall(etcd, 1.6, regs)
+        answered = {r.engine_id: r.health().last_keepalive for r in regs}
+        wait_for(
+            lambda: all(r.health().last_keepalive != answered[r.engine_id] for r in regs),
+            timeout=6,
+            message="keepalives after the stall",
+        )
+        assert sum(r.health().losses for r in regs) == 0
+    finally:
+        for reg in regs:
+            reg.close()
+        conn.close()
+
+
+def test_mass_loss_settles_with_one_rewrite_each(etcd, private_settings: Settings) -> None:
+    """After a stall longer than the TTL every lease is gone: each engine registers once
+    more, and keepalives of the others never starve behind the re-registrations."""
+    conn, regs = _many(private_settings, 2000, ttl=3)
+    try:
+        _stall(etcd, 4.0, regs)
+        wait_for(lambda: all(r.health().losses >= 1 for r in regs), timeout=8, message="losses")
+        wait_for(
+            lambda: all(r.state is RegistrationState.REGISTERED for r in regs),
+            timeout=10,
+            message="all registered again",
+        )
+        settled = time.monotonic()
+        # Over two more TTLs nothing is lost again: no cascade.
+        wait_for(lambda: time.monotonic() - settled > 2 * 3, timeout=8, message="two TTLs")
+        assert [r.health().losses for r in regs] == [1] * len(regs)
+        keys = etcdctl(
+            etcd.endpoints, "get", "--prefix", "--keys-only", private_settings.keyspace.prefix
+        )
+        assert len(keys.stdout.split()) == len(regs)
+    finally:
+        for reg in regs:
+            reg.close()
+        conn.close()
