@@ -68,9 +68,9 @@ def worker_main(index: int, url: str, ttl: float, pipe) -> None:
     answer = _registration.Registration._keepalive_answered
 
     def counted_send(self, lease_id):
-        ok = send(self, lease_id)
-        sent[0] += ok
-        return ok
+        stream = send(self, lease_id)  # the stream it went out on, or None
+        sent[0] += stream is not None
+        return stream
 
     def counted_answer(self, keeper, lease_id, ttl):
         answered[0] += 1

@@ -156,12 +156,20 @@ class _Keeper:
                     return
                 at, _, reg = heapq.heappop(self._heap)
             if reg._next_at == at:  # else a newer schedule entry supersedes this one
-                reg._step(self)
+                self._guarded(reg._step, reg)
+
+    def _guarded(self, turn: Callable[[_Keeper], None], reg: Registration) -> None:
+        """Run one turn; a bug in it must not silently end every lease's keepalives."""
+        try:
+            turn(self)
+        except Exception:
+            log.exception("%s: keeper turn failed; trying again", reg.engine_id)
+            self.schedule(reg, time.monotonic() + _RETRY_MAX)
 
     def recover(self, reg: Registration) -> None:
         """Re-register ``reg`` on a recovery thread."""
         with contextlib.suppress(RuntimeError):  # stopping: nothing to recover any more
-            self._recoveries.submit(reg._recover_job, self)
+            self._recoveries.submit(self._guarded, reg._recover_job, reg)
 
     @property
     def stream(self) -> KeepAliveStream | None:

@@ -515,3 +515,24 @@ def test_mass_loss_settles_with_one_rewrite_each(etcd, private_settings: Setting
         for reg in regs:
             reg.close()
         conn.close()
+
+
+def test_a_failing_keeper_turn_does_not_stop_keepalives(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with register_engine(make_endpoint(), engine_id="bug", ttl=3, settings=settings) as reg:
+        original = type(reg)._keepalive
+        failures = []
+
+        def broken_once(self, keeper, now):
+            if not failures:
+                failures.append(now)
+                raise RuntimeError("injected bug")
+            return original(self, keeper, now)
+
+        monkeypatch.setattr(type(reg), "_keepalive", broken_once)
+        wait_for(lambda: failures, message="the injected failure")
+        seen = reg.health().last_keepalive
+        wait_for(lambda: reg.health().last_keepalive != seen, timeout=5, message="keepalives again")
+        assert reg.health().losses == 0
+        assert "keeper turn failed" in caplog.text
