@@ -7,6 +7,7 @@ Exit status: 0 success, 1 runtime failure (etcd unavailable, conflict, denied),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -139,13 +140,11 @@ def _stop_on_signals() -> threading.Event:
 
 # -- register / deregister ----------------------------------------------------------------
 
-_CAPABILITY_FLAGS = (
-    "context_length",
-    "kv_cache_block_size",
-    "total_kv_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "bos_token_id",
+# The required integer capabilities, each a --flag (the others have their own flags).
+_CAPABILITY_FLAGS = tuple(
+    f.name
+    for f in dataclasses.fields(InferenceEngineCapabilities)
+    if f.default is dataclasses.MISSING and f.name != "enable_prefix_caching"
 )
 
 
