@@ -307,11 +307,9 @@ def make_certs(out: Path, *args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.fixture
-def tls_etcd(tmp_path) -> Iterator[tuple[EtcdCluster, Path]]:
-    certs = tmp_path / "certs"
-    make_certs(certs)
-    tls = ServerTLS(
+def server_tls(certs: Path) -> ServerTLS:
+    """etcd serving make-certs.sh's server certificate, requiring client certificates."""
+    return ServerTLS(
         ca_cert=str(certs / "ca.pem"),
         cert=str(certs / "server.pem"),
         key=str(certs / "server-key.pem"),
@@ -319,7 +317,13 @@ def tls_etcd(tmp_path) -> Iterator[tuple[EtcdCluster, Path]]:
         client_cert=str(certs / "admin.pem"),
         client_key=str(certs / "admin-key.pem"),
     )
-    cluster = EtcdCluster(1, tls=tls)
+
+
+@pytest.fixture
+def tls_etcd(tmp_path) -> Iterator[tuple[EtcdCluster, Path]]:
+    certs = tmp_path / "certs"
+    make_certs(certs)
+    cluster = EtcdCluster(1, tls=server_tls(certs))
     try:
         cluster.start()
         yield cluster, certs
@@ -543,15 +547,7 @@ def test_certificate_rotation_steps_keep_etcd_reachable(tmp_path):
 
     publish()
     keep("engine-v1")
-    tls = ServerTLS(
-        ca_cert=str(live / "ca.pem"),
-        cert=str(live / "server.pem"),
-        key=str(live / "server-key.pem"),
-        client_cert_auth=True,
-        client_cert=str(live / "admin.pem"),
-        client_key=str(live / "admin-key.pem"),
-    )
-    cluster = EtcdCluster(1, tls=tls)
+    cluster = EtcdCluster(1, tls=server_tls(live))
     try:
         cluster.start()
         member = cluster.members[0]

@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import etcd3
 import pytest
@@ -19,6 +20,7 @@ from discovery import (
     EventType,
     RoutingTable,
     Settings,
+    WatcherHealth,
     WatcherState,
 )
 from discovery._codec import EngineRecord, encode
@@ -268,43 +270,52 @@ def _check_nothing_lost(recorder: Recorder, written: dict[str, int]) -> None:
     )
 
 
-def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
-    settings = Settings(endpoints=etcd.endpoints, namespace="restart", dial_timeout=10)
+def _writes_survive(settings: Settings, fault: Callable[[], Callable[[], None]]) -> WatcherHealth:
+    """Write continuously, inject ``fault`` (it returns its repair), check nothing is lost."""
     stop, written = threading.Event(), {}
     recorder = Recorder()
     with EndpointWatcher(settings, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
         watcher.subscribe(recorder)
         thread = _writer(settings, stop, written)
-        wait_for(lambda: len(written) > 50, message="writes before the restart")
-        etcd.restart(etcd.members[0], kill=True)
+        wait_for(lambda: len(written) > 50, message="writes before the fault")
+        repair = fault()
         count = len(written)
-        wait_for(lambda: len(written) > count + 50, timeout=15, message="writes after the restart")
+        wait_for(lambda: len(written) > count + 50, timeout=15, message="writes after the fault")
+        repair()
         stop.set()
         thread.join(10)
         _wait_table_equals_etcd(table, settings)
-        assert watcher.health().reconnects >= 1
-        assert watcher.health().state is WatcherState.CONNECTED
+        health = watcher.health()
     _check_nothing_lost(recorder, written)
+    return health
+
+
+def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
+    settings = Settings(endpoints=etcd.endpoints, namespace="restart", dial_timeout=10)
+
+    def restart() -> Callable[[], None]:
+        etcd.restart(etcd.members[0], kill=True)
+        return lambda: None
+
+    health = _writes_survive(settings, restart)
+    assert health.reconnects >= 1
+    assert health.state is WatcherState.CONNECTED
 
 
 def test_leader_kill_on_three_members_loses_nothing(etcd3) -> None:
     settings = Settings(endpoints=etcd3.endpoints, namespace="leader", dial_timeout=10)
-    stop, written = threading.Event(), {}
-    recorder = Recorder()
-    with EndpointWatcher(settings, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
-        watcher.subscribe(recorder)
-        thread = _writer(settings, stop, written)
-        wait_for(lambda: len(written) > 50, message="writes before the kill")
+
+    def kill_leader() -> Callable[[], None]:
         leader = etcd3.leader()
         leader.stop(kill=True)
-        count = len(written)
-        wait_for(lambda: len(written) > count + 50, timeout=15, message="writes under a new leader")
-        leader.start()
-        etcd3.wait_healthy(members=[leader])
-        stop.set()
-        thread.join(10)
-        _wait_table_equals_etcd(table, settings)
-    _check_nothing_lost(recorder, written)
+
+        def repair() -> None:
+            leader.start()
+            etcd3.wait_healthy(members=[leader])
+
+        return repair
+
+    _writes_survive(settings, kill_leader)
 
 
 def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
