@@ -162,6 +162,28 @@ class EngineRecord:
         return value
 
 
+class RecordView:
+    """Shortcuts to the ``record`` an object carries (events, pick handles)."""
+
+    __slots__ = ()
+    record: EngineRecord
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's id."""
+        return self.record.engine_id
+
+    @property
+    def endpoint(self) -> InferenceEngineEndpoint:
+        """The engine's endpoint: coordinator address and capabilities."""
+        return self.record.endpoint
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """The engine's labels."""
+        return self.record.labels
+
+
 def encode(record: EngineRecord) -> bytes:
     """Encode ``record`` as compact UTF-8 JSON, refusing values over MAX_VALUE_BYTES."""
     data = json.dumps(record.to_value(), separators=(",", ":"), ensure_ascii=False).encode()

@@ -70,8 +70,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from types import MappingProxyType
 
-from ._codec import EngineRecord
-from ._endpoint import InferenceEngineEndpoint
+from ._codec import EngineRecord, RecordView
 from ._errors import NoEngineAvailableError
 from ._metrics import NO_METRICS, Metrics
 from ._routing import RoutingSnapshot, RoutingTable
@@ -261,7 +260,7 @@ class _PrefixIndex:
             del self._owners[block_hash]
 
 
-class PickHandle:
+class PickHandle(RecordView):
     """The engine chosen for one request; hold it for the request's life, then release.
 
     A context manager: leaving the ``with`` block releases it. ``release()`` is
@@ -286,16 +285,6 @@ class PickHandle:
         """The policy that chose the engine (a fallback shows as ``load_balanced``)."""
         self.matched_tokens = matched_tokens
         """For ``longest_prefix``: prompt tokens the engine was recently sent; else 0."""
-
-    @property
-    def engine_id(self) -> str:
-        """The chosen engine's id."""
-        return self.record.engine_id
-
-    @property
-    def endpoint(self) -> InferenceEngineEndpoint:
-        """The chosen engine's endpoint: coordinator address and capabilities."""
-        return self.record.endpoint
 
     @property
     def released(self) -> bool:

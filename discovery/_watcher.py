@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
 
-from ._codec import EngineRecord, KeySpace
+from ._codec import EngineRecord, KeySpace, RecordView
 from ._connection import (
     Compacted,
     Connection,
@@ -52,7 +52,6 @@ from ._connection import (
     translate,
 )
 from ._dispatch import Dispatcher
-from ._endpoint import InferenceEngineEndpoint
 from ._errors import ClosedError, EtcdUnavailableError, RecordDecodeError
 from ._metrics import NO_METRICS, Metrics
 from ._settings import Settings
@@ -74,7 +73,7 @@ class EventType(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointEvent:
+class EndpointEvent(RecordView):
     """One change to the set of live engines."""
 
     type: EventType
@@ -82,21 +81,6 @@ class EndpointEvent:
     revision: int
     record: EngineRecord
     """The new record; for ``removed``, the last known one."""
-
-    @property
-    def engine_id(self) -> str:
-        """The engine's id."""
-        return self.record.engine_id
-
-    @property
-    def endpoint(self) -> InferenceEngineEndpoint:
-        """The engine's endpoint (for ``removed``, the last known one)."""
-        return self.record.endpoint
-
-    @property
-    def labels(self) -> Mapping[str, str]:
-        """The engine's labels."""
-        return self.record.labels
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-lines form: type, engine_id, key, revision, endpoint, labels."""

@@ -36,6 +36,22 @@ def wait_for(
         time.sleep(interval)
 
 
+# Megatron's InferenceEngineCapabilities fields, in order (wire_contract.md); restated
+# here, not imported from the package, so the tests check the package against the contract.
+MEGATRON_FIELDS = (
+    "context_length",
+    "kv_cache_block_size",
+    "total_kv_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "bos_token_id",
+    "enable_prefix_caching",
+    "logical_data_parallel_size",
+    "prefix_caching_coordinator_policy",
+)
+INTEGER_FIELDS = (*MEGATRON_FIELDS[:6], "logical_data_parallel_size")
+
+
 def caps_kwargs(**overrides) -> dict:
     """The seven required capability fields of a plausible engine, plus overrides."""
     values = dict(

@@ -24,7 +24,7 @@ from discovery import (
 )
 from discovery._codec import decode, encode, validate_engine_id, validate_labels
 
-from .helpers import caps_kwargs
+from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, caps_kwargs
 
 Policy = PrefixCachingCoordinatorPolicy
 ADDRESS = "tcp://10.0.0.1:5555"
@@ -433,15 +433,7 @@ def test_deeply_nested_json_is_a_decode_error() -> None:
     assert_decode_error(b"[" * 100_000, "not JSON")
 
 
-REQUIRED_CAPABILITY_KEYS = (
-    "context_length",
-    "kv_cache_block_size",
-    "total_kv_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "bos_token_id",
-    "enable_prefix_caching",
-)
+REQUIRED_CAPABILITY_KEYS = MEGATRON_FIELDS[:7]
 
 
 @pytest.mark.parametrize("missing", REQUIRED_CAPABILITY_KEYS)
@@ -458,7 +450,7 @@ def test_value_missing_an_endpoint_field(missing: str) -> None:
     assert_decode_error(json.dumps(value).encode(), f"missing field '{missing}'")
 
 
-INT_FIELDS = (*REQUIRED_CAPABILITY_KEYS[:6], "logical_data_parallel_size")
+INT_FIELDS = INTEGER_FIELDS
 POSITIVE_FIELDS = (
     "context_length",
     "kv_cache_block_size",

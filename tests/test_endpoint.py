@@ -25,31 +25,13 @@ from discovery import (
 )
 from discovery._codec import encode
 
-from .helpers import caps_kwargs
+from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, caps_kwargs
 
 Policy = PrefixCachingCoordinatorPolicy
 
-FIELD_ORDER = (
-    "context_length",
-    "kv_cache_block_size",
-    "total_kv_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "bos_token_id",
-    "enable_prefix_caching",
-    "logical_data_parallel_size",
-    "prefix_caching_coordinator_policy",
-)
+FIELD_ORDER = MEGATRON_FIELDS
 REQUIRED_KEYS = FIELD_ORDER[:7]
-INT_FIELDS = (
-    "context_length",
-    "kv_cache_block_size",
-    "total_kv_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "bos_token_id",
-    "logical_data_parallel_size",
-)
+INT_FIELDS = INTEGER_FIELDS
 POSITIVE_FIELDS = (
     "context_length",
     "kv_cache_block_size",
