@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -131,11 +130,29 @@ def metrics_from_args(args: argparse.Namespace) -> Metrics | None:
     return metrics
 
 
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+class _StopSignals:
+    """From construction on, catch SIGTERM and SIGINT; ``wait()`` returns once one came.
+
+    A plain ``Event.wait()`` in the main thread can sleep through a signal: the OS may
+    hand it to one of gRPC's threads, and Python only runs handlers when the main thread
+    runs bytecode. CPython writes every caught signal to the wakeup fd from whichever
+    thread receives it, so a read on that fd always wakes up.
+    """
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._write_fd = write_fd
+        for sig in self._SIGNALS:
+            signal.signal(sig, lambda *_: None)  # caught (not fatal); handled by wait()
+        signal.set_wakeup_fd(write_fd)
+
+    def wait(self) -> None:
+        """Block until SIGTERM or SIGINT arrives."""
+        while os.read(self._read_fd, 1)[0] not in self._SIGNALS:
+            pass
 
 
 # -- register / deregister ----------------------------------------------------------------
@@ -203,7 +220,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
     labels = {**(meta.get("labels") or {}), **_parse_labels(args.label)}
     engine_id = args.engine_id or meta.get("engine_id")
     settings = settings_from_args(args)
-    stop = _stop_on_signals()
+    stop = _StopSignals()
     metrics = metrics_from_args(args)
     registration = register_engine(
         endpoint,
@@ -323,7 +340,7 @@ def format_event(event: EndpointEvent, fmt: str) -> str:
 def _cmd_watch(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     selector = _parse_labels(args.selector)
-    stop = _stop_on_signals()
+    stop = _StopSignals()
     metrics = metrics_from_args(args)
     watcher = EndpointWatcher(settings, selector=validate_labels(selector), metrics=metrics)
     watcher.start()

@@ -26,6 +26,11 @@ def deregister_on_signals(
     After closing, do what the previous handler did: call it, or exit (SIGTERM: status
     128 + signum; SIGINT: KeyboardInterrupt). Must be called from the main thread.
     Returns a function that restores the previous handlers.
+
+    Python runs handlers in the main thread, between bytecodes, and the OS may deliver a
+    signal to any thread (gRPC has several): a main thread parked in an uninterruptible
+    wait (``Event.wait()`` without a timeout, ``signal.pause()``) may never run it. An
+    asyncio loop, a serving loop, or waits with a timeout are fine.
     """
     previous: dict[int, object] = {}
 

@@ -190,3 +190,21 @@ def get_kv(endpoints: Sequence[str], key: str) -> dict | None:
     kv["key"] = base64.b64decode(kv["key"]).decode()
     kv["value"] = base64.b64decode(kv["value"]).decode()
     return kv
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``code`` in a fresh interpreter; on a hang, fail with every thread's stack."""
+    process = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)  # faulthandler prints all threads, then it dies
+        out, err = process.communicate()
+        raise AssertionError(f"hung for {timeout} s; threads:\n{err[-6000:]}") from None
+    return process.returncode, out, err

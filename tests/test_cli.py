@@ -184,7 +184,31 @@ def test_watch_text_format(settings: Settings) -> None:
             line = watch.stdout.readline().split()
             assert line[:3] == ["added", "texty", make_endpoint(5).coordinator_address]
             assert line[-1] == "k=v"
-        finally:
+            # SIGINT right away: the signal may land on any thread, it must still stop it.
             watch.send_signal(signal.SIGINT)
-            watch.wait(10)
+            assert watch.wait(10) == 0
+        finally:
+            watch.kill()
+            watch.wait()
             watch.stdout.close()
+
+
+def test_signals_stop_the_cli_whichever_thread_receives_them(settings: Settings) -> None:
+    """A signal the OS hands to a gRPC thread must still wake the main thread (it did not)."""
+    with register_engine(make_endpoint(), engine_id="sig", settings=settings):
+        for sig in [signal.SIGINT, signal.SIGTERM] * 10:
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "discovery", "watch"],
+                env=cli_env(settings),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            try:
+                assert watch.stdout.readline().startswith("added")
+                watch.send_signal(sig)
+                assert watch.wait(10) == 0
+            finally:
+                watch.kill()
+                watch.wait()
+                watch.stdout.close()

@@ -13,7 +13,7 @@ import pytest
 import discovery
 from discovery import Settings, register_engine
 
-from .helpers import cli_env, make_endpoint
+from .helpers import cli_env, make_endpoint, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -116,14 +116,7 @@ def test_readme_examples_run(index: int, settings: Settings) -> None:
     with register_engine(
         make_endpoint(), engine_id="sample", labels={"model": "llama-3-8b"}, settings=settings
     ):
-        result = subprocess.run(
-            [sys.executable, "-c", _python_blocks(README)[index]],
-            env=cli_env(settings),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    assert result.returncode == 0, result.stderr
+        returncode, out, err = run_python(_python_blocks(README)[index], cli_env(settings))
+    assert returncode == 0, err
     if "router.pick" in _python_blocks(README)[index]:
-        assert "send to tcp://" in result.stdout
+        assert "send to tcp://" in out

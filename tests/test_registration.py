@@ -209,7 +209,7 @@ def test_sigterm_or_sigint_removes_the_key_within_half_a_second(
 
 
 _LIBRARY_PROGRAM = """
-import sys, signal
+import sys, signal, time
 from discovery import register_engine, deregister_on_signals, Settings
 from tests.helpers import make_endpoint
 reg = register_engine(make_endpoint(), engine_id=sys.argv[1], ttl=30, settings=Settings.from_env())
@@ -217,7 +217,8 @@ if sys.argv[2] == "signals":
     deregister_on_signals(reg)
 print("ready", flush=True)
 if sys.argv[2] == "signals":
-    signal.pause()
+    while True:  # an application's main loop: bytecode runs, so handlers run
+        time.sleep(0.05)
 """
 
 
