@@ -50,6 +50,13 @@ MEGATRON_FIELDS = (
     "prefix_caching_coordinator_policy",
 )
 INTEGER_FIELDS = (*MEGATRON_FIELDS[:6], "logical_data_parallel_size")
+POSITIVE_FIELDS = (
+    "context_length",
+    "kv_cache_block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "logical_data_parallel_size",
+)
 
 
 def caps_kwargs(**overrides) -> dict:

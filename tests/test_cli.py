@@ -141,14 +141,19 @@ def test_duplicate_id_exits_1(settings: Settings) -> None:
             registrar.stop()
 
 
-def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: Settings) -> None:
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "discovery", "watch", "--format", "jsonl"],
+def _watch(settings: Settings, *args: str) -> subprocess.Popen:
+    """A ``discovery watch`` process whose stdout the test reads line by line."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "discovery", "watch", *args],
         env=cli_env(settings),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
+
+
+def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: Settings) -> None:
+    watch = _watch(settings, "--format", "jsonl")
     registrar = Registrar(settings, "victim", ttl=3)
     try:
         added = json.loads(watch.stdout.readline())
@@ -173,13 +178,7 @@ def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: 
 
 def test_watch_text_format(settings: Settings) -> None:
     with register_engine(make_endpoint(5), engine_id="texty", labels={"k": "v"}, settings=settings):
-        watch = subprocess.Popen(
-            [sys.executable, "-m", "discovery", "watch"],
-            env=cli_env(settings),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        watch = _watch(settings)
         try:
             line = watch.stdout.readline().split()
             assert line[:3] == ["added", "texty", make_endpoint(5).coordinator_address]
@@ -197,13 +196,7 @@ def test_signals_stop_the_cli_whichever_thread_receives_them(settings: Settings)
     """A signal the OS hands to a gRPC thread must still wake the main thread (it did not)."""
     with register_engine(make_endpoint(), engine_id="sig", settings=settings):
         for sig in [signal.SIGINT, signal.SIGTERM] * 10:
-            watch = subprocess.Popen(
-                [sys.executable, "-m", "discovery", "watch"],
-                env=cli_env(settings),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
+            watch = _watch(settings)
             try:
                 assert watch.stdout.readline().startswith("added")
                 watch.send_signal(sig)

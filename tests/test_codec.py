@@ -24,7 +24,7 @@ from discovery import (
 )
 from discovery._codec import decode, encode, validate_engine_id, validate_labels
 
-from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, caps_kwargs
+from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
 
 Policy = PrefixCachingCoordinatorPolicy
 ADDRESS = "tcp://10.0.0.1:5555"
@@ -451,13 +451,6 @@ def test_value_missing_an_endpoint_field(missing: str) -> None:
 
 
 INT_FIELDS = INTEGER_FIELDS
-POSITIVE_FIELDS = (
-    "context_length",
-    "kv_cache_block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "logical_data_parallel_size",
-)
 
 
 @pytest.mark.parametrize("bad", [True, "8192", 8192.0, None, [1]], ids=repr)

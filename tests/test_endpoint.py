@@ -25,20 +25,13 @@ from discovery import (
 )
 from discovery._codec import encode
 
-from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, caps_kwargs
+from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
 
 Policy = PrefixCachingCoordinatorPolicy
 
 FIELD_ORDER = MEGATRON_FIELDS
 REQUIRED_KEYS = FIELD_ORDER[:7]
 INT_FIELDS = INTEGER_FIELDS
-POSITIVE_FIELDS = (
-    "context_length",
-    "kv_cache_block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "logical_data_parallel_size",
-)
 POLICY_VALUES = {
     "LONGEST_PREFIX": "longest_prefix",
     "FIRST_PREFIX_BLOCK": "first_prefix_block",
