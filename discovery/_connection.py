@@ -169,6 +169,14 @@ def translate(exc: BaseException, endpoints: tuple[str, ...] = ()) -> DiscoveryE
     return EtcdError(f"etcd request failed: {what}")
 
 
+def explain(exc: BaseException) -> str:
+    """The cause to show in health and logs.
+
+    A transient error as gRPC reported it; any other as discovery raises it.
+    """
+    return describe(exc) if is_transient(exc) else str(translate(exc))
+
+
 def _token_expired(exc: BaseException) -> bool:
     rpc = _rpc_error(exc)
     return rpc is not None and "invalid auth token" in (rpc.details() or "")

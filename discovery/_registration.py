@@ -42,7 +42,7 @@ import etcd3
 import grpc
 
 from ._codec import EngineRecord, encode, validate_engine_id
-from ._connection import Connection, KeepAliveStream, describe, is_transient, translate
+from ._connection import Connection, KeepAliveStream, describe, explain, is_transient
 from ._dispatch import Dispatcher, Listeners
 from ._endpoint import DynamicEngineLike, InferenceEngineEndpoint
 from ._errors import (
@@ -478,7 +478,7 @@ class Registration:
                     self._awaiting = None
                 return
         lease_id = previous if remaining > 0 else client.lease(self.ttl).id
-        record = replace_time(self._record)
+        record = _stamped(self._record)
         try:
             revision = self._put(client, lease_id, encode(record), replace=replace)
         except BaseException:
@@ -623,7 +623,7 @@ class Registration:
         try:
             self._conn.attempt(lambda client: self._write(client, replace=False))
         except Exception as exc:
-            reason = describe(exc) if is_transient(exc) else str(translate(exc))
+            reason = explain(exc)
             with self._lock:
                 self._last_error = reason
                 delay = self._retry_delay
@@ -652,7 +652,7 @@ def _revoke(client: etcd3.MultiEndpointEtcd3Client, lease_id: int) -> None:
             raise
 
 
-def replace_time(record: EngineRecord) -> EngineRecord:
+def _stamped(record: EngineRecord) -> EngineRecord:
     """The record stamped with the current time as its registration time."""
     return replace(record, registered_at=datetime.now(UTC))
 

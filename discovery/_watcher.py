@@ -47,8 +47,7 @@ from ._connection import (
     Connection,
     StreamSilentError,
     WatchStream,
-    describe,
-    is_transient,
+    explain,
     translate,
 )
 from ._dispatch import Dispatcher
@@ -350,7 +349,7 @@ class EndpointWatcher:
     def _on_retry(self, exc: BaseException | None) -> None:
         if exc is None:
             return
-        reason = describe(exc) if is_transient(exc) else str(translate(exc))
+        reason = explain(exc)
         with self._lock:
             if self._state is not WatcherState.STOPPED:
                 self._state = WatcherState.RECONNECTING

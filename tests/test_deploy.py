@@ -307,6 +307,16 @@ def make_certs(out: Path, *args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def subject_alt_names(cert: Path) -> str:
+    """openssl's text of the certificate's subjectAltName extension."""
+    return subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def server_tls(certs: Path) -> ServerTLS:
     """etcd serving make-certs.sh's server certificate, requiring client certificates."""
     return ServerTLS(
@@ -349,12 +359,7 @@ def test_generated_certificates_secure_etcd_with_roles(tls_etcd, tmp_path):
     cluster, certs = tls_etcd
     for name in ("server-key.pem", "admin-key.pem", "engine-key.pem", "router-key.pem"):
         assert (certs / name).stat().st_mode & 0o077 == 0, f"{name} is readable by others"
-    server = subprocess.run(
-        ["openssl", "x509", "-in", str(certs / "server.pem"), "-noout", "-ext", "subjectAltName"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    server = subject_alt_names(certs / "server.pem")
     for name in ("DNS:etcd-0", "DNS:etcd-1", "DNS:etcd-2", "IP Address:127.0.0.1"):
         assert name in server
 
@@ -587,12 +592,7 @@ def test_make_certs_covers_kubernetes_names_and_never_leaves_keys_in_git(tmp_pat
     }
     out = tmp_path / "k8s"
     subprocess.run(["bash", str(CERTS_SCRIPT), str(out)], env=env, check=True, capture_output=True)
-    sans = subprocess.run(
-        ["openssl", "x509", "-in", str(out / "server.pem"), "-noout", "-ext", "subjectAltName"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    sans = subject_alt_names(out / "server.pem")
     # Every name deploy/k8s uses to reach a member or the client service.
     for name in (
         "etcd-0.etcd.inference.svc",
