@@ -221,6 +221,23 @@ class _Keeper:
         finally:
             if self._stream is stream:
                 self._stream = None
+            self._resend_lost(stream)
+
+    def _resend_lost(self, stream: KeepAliveStream) -> None:
+        # Keepalives still unanswered on a dead stream died with it: send them again on a
+        # new stream (another member) now, not a TTL/3 later; a leader election after the
+        # member's death may still take most of the TTL.
+        with self._cond:
+            if self._stopped:
+                return
+            lost = [r for r in self._by_lease.values() if r._awaiting_on is stream and r._awaiting]
+        at = self.reopen_at()
+        for reg in lost:
+            self.schedule(reg, at)
+
+    def reopen_at(self) -> float:
+        """The earliest time a new stream may be opened (not in a tight loop on failures)."""
+        return max(time.monotonic(), self._stream_opened + _STREAM_REOPEN_MIN)
 
     def stop(self) -> None:
         with self._cond:
@@ -577,9 +594,11 @@ class Registration:
             keeper.recover(self)
 
     def _keepalive(self, keeper: _Keeper, now: float) -> None:
-        if self._awaiting is not None and now - self._awaiting >= self._interval:
-            # Unanswered for TTL/3. If it went out on the live stream, that stream is dead;
-            # if the stream was replaced since, it died with it. Either way: send again.
+        if self._awaiting is not None and (
+            self._awaiting_on is not keeper.stream or now - self._awaiting >= self._interval
+        ):
+            # The stream it went out on ended (the request died with it), or it is unanswered
+            # for TTL/3 on the live stream, which is then dead. Either way: send again.
             self._metrics.keepalive_failed()
             keeper.reset_stream(self._awaiting_on)
             self._awaiting = None
@@ -588,16 +607,20 @@ class Registration:
         if stream is not None:
             if self._awaiting is None:
                 self._awaiting, self._awaiting_on = now, stream
-            delay = self._interval
+            at = now + self._interval
+            if keeper.stream is not stream:
+                # It died before _awaiting_on named it (a refused connection fails at
+                # once), so the keeper's resend missed this lease: send again soon.
+                at = keeper.reopen_at()
         else:
             self._metrics.keepalive_failed()
-            delay = _RETRY_MAX
+            at = now + _RETRY_MAX
         if self._dirty:
             try:
                 self._conn.attempt(self._publish)
             except Exception as exc:
                 log.warning("%s: publishing update failed: %s", self.engine_id, describe(exc))
-        keeper.schedule(self, now + min(delay, max(0.0, self._deadline - now)))
+        keeper.schedule(self, min(at, max(now, self._deadline)))
 
     def _keepalive_answered(self, keeper: _Keeper, lease_id: int, ttl: int) -> None:
         with self._lock:

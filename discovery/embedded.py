@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
@@ -274,17 +275,31 @@ class EtcdCluster:
         member.start()
         self.wait_healthy(members=[member])
 
+    def _status(self, member: EtcdMember) -> dict[str, Any] | None:
+        """``etcdctl endpoint status`` of one member, or None when it does not answer."""
+        if not member.running:
+            return None
+        status = self.etcdctl("endpoint", "status", "-w", "json", endpoints=[member])
+        return json.loads(status.stdout)[0]["Status"] if status.returncode == 0 else None
+
     def leader(self) -> EtcdMember:
         """The member that is the Raft leader now."""
         for member in self.members:
-            if member.running:
-                status = self.etcdctl("endpoint", "status", "-w", "json", endpoints=[member])
-                if status.returncode == 0:
-                    info = json.loads(status.stdout)[0]["Status"]
-                    leader_id = info["leader"]
-                    if info["header"]["member_id"] == leader_id:
-                        return member
+            info = self._status(member)
+            if info is not None and info["header"]["member_id"] == info["leader"]:
+                return member
         raise EtcdStartError("no leader found")
+
+    def move_leader(self, member: EtcdMember) -> None:
+        """Make ``member`` the Raft leader (``etcdctl move-leader``)."""
+        info = self._status(member)
+        if info is None:
+            raise EtcdStartError(f"{member.name} does not answer")
+        if info["header"]["member_id"] == info["leader"]:
+            return
+        moved = self.etcdctl("move-leader", f"{info['header']['member_id']:x}")
+        if moved.returncode != 0:
+            raise EtcdStartError(f"cannot move the leader to {member.name}: {moved.stderr.strip()}")
 
     def etcdctl(
         self,

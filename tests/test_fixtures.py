@@ -39,3 +39,10 @@ def test_configured_endpoints_are_used_instead_of_a_new_etcd(etcd) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert _revision(etcd) > before  # the registration was written to *this* etcd
+
+
+def test_leadership_moves_to_the_member_asked_for(etcd3) -> None:
+    for member in [m for m in etcd3.members if m is not etcd3.leader()]:
+        etcd3.move_leader(member)
+        assert etcd3.leader() is member
+    etcd3.move_leader(etcd3.leader())  # already the leader: nothing to do
