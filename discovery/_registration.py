@@ -230,7 +230,11 @@ class _Keeper:
         with self._cond:
             if self._stopped:
                 return
-            lost = [r for r in self._by_lease.values() if r._awaiting_on is stream and r._awaiting]
+            lost = [
+                reg
+                for reg in self._by_lease.values()
+                if reg._awaiting is not None and reg._awaiting_on is stream
+            ]
         at = self.reopen_at()
         for reg in lost:
             self.schedule(reg, at)
