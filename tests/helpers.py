@@ -18,6 +18,8 @@ from discovery import (
     PrefixCachingCoordinatorPolicy,
     Settings,
 )
+from discovery._connection import Connection
+from discovery.embedded import EtcdCluster, EtcdMember
 
 T = TypeVar("T")
 
@@ -178,6 +180,12 @@ def etcdctl(endpoints: Sequence[str], *args: str) -> subprocess.CompletedProcess
         check=False,
         env={**os.environ, "ETCDCTL_API": "3"},
     )
+
+
+def connected_member(cluster: EtcdCluster, conn: Connection) -> EtcdMember:
+    """The member that ``conn`` is talking to now."""
+    in_use = conn.client().endpoint_in_use.netloc
+    return next(m for m in cluster.members if m.client_url.endswith(in_use))
 
 
 def get_kv(endpoints: Sequence[str], key: str) -> dict | None:

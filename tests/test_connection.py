@@ -21,7 +21,7 @@ from discovery import (
 )
 from discovery._connection import is_transient, translate
 
-from .helpers import wait_for
+from .helpers import connected_member, wait_for
 
 
 class FakeRpcError(grpc.RpcError):
@@ -177,10 +177,9 @@ def test_members_fail_over(etcd3) -> None:
     settings = Settings(endpoints=etcd3.endpoints, dial_timeout=10)
     with Connection(settings) as conn:
         conn.call(lambda c: c.put("/k", "v"))
-        in_use = conn.client().endpoint_in_use.netloc
-        victim = next(m for m in etcd3.members if m.client_url.endswith(in_use))
+        victim = connected_member(etcd3, conn)
         victim.stop(kill=True)
         started = time.monotonic()
         assert conn.call(lambda c: c.get("/k"))[0] == b"v"
         assert time.monotonic() - started < 3
-        assert conn.client().endpoint_in_use.netloc != in_use
+        assert connected_member(etcd3, conn) is not victim

@@ -31,7 +31,15 @@ from discovery import (
 )
 from discovery._codec import KeySpace
 
-from .helpers import Registrar, cli_env, etcdctl, get_kv, make_endpoint, wait_for
+from .helpers import (
+    Registrar,
+    cli_env,
+    connected_member,
+    etcdctl,
+    get_kv,
+    make_endpoint,
+    wait_for,
+)
 
 
 def _states(registration) -> list[RegistrationState]:
@@ -335,8 +343,7 @@ def test_killing_the_connected_member_keeps_the_record(etcd3) -> None:
     """
     settings = Settings(endpoints=etcd3.endpoints, namespace="failover", dial_timeout=10)
     with register_engine(make_endpoint(), engine_id="ha", ttl=4, settings=settings) as reg:
-        in_use = reg._conn.client().endpoint_in_use.netloc
-        victim = next(m for m in etcd3.members if m.client_url.endswith(in_use))
+        victim = connected_member(etcd3, reg._conn)
         etcd3.move_leader(victim)
         others = [m.client_url for m in etcd3.members if m is not victim]
         created = get_kv(others, reg.key)["create_revision"]
@@ -358,8 +365,7 @@ def test_a_keepalive_lost_with_its_member_goes_again_at_once(etcd3) -> None:
     fails at once and the keepalive goes to another member then, not TTL/3 later."""
     settings = Settings(endpoints=etcd3.endpoints, namespace="resend", dial_timeout=10)
     with register_engine(make_endpoint(), engine_id="resend", ttl=9, settings=settings) as reg:
-        in_use = reg._conn.client().endpoint_in_use.netloc
-        victim = next(m for m in etcd3.members if m.client_url.endswith(in_use))
+        victim = connected_member(etcd3, reg._conn)
         etcd3.move_leader(next(m for m in etcd3.members if m is not victim))  # no election
         victim.stop(kill=True)
         # The first keepalive leaves TTL/3 after the write; the next regular turn would
