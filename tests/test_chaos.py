@@ -36,7 +36,7 @@ import pytest
 from discovery import Connection, Settings
 from discovery.embedded import EtcdCluster, EtcdMember
 
-from .helpers import Registrar, cli_env, wait_for
+from .helpers import Registrar, cli_env, raw_call, wait_for
 
 CHAOS_SECONDS = float(os.environ.get("DISCOVERY_CHAOS_SECONDS") or 45)
 TTL = 3
@@ -187,7 +187,7 @@ class Chaos:
     def compact(self) -> None:
         try:
             revision, _ = self.conn.list_prefix(self.settings.keyspace.prefix, timeout=5)
-            self.conn.call(lambda c: c.compact(revision), timeout=5)
+            raw_call(self.conn, lambda c: c.compact(revision), timeout=5)
         except Exception:
             self.faults["compaction attempt failed (etcd busy)"] += 1
             return
