@@ -250,6 +250,39 @@ def _log_state(engine_id: str, state: RegistrationState) -> None:
         log.info("%s registered again after losing its lease", engine_id)
 
 
+def _add_registration_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that registers an engine (register, launch)."""
+    parser.add_argument("--engine-id", help="default: {hostname}-{pid}-{random}")
+    parser.add_argument("--ttl", type=float, default=10.0, help="lease TTL in seconds (default 10)")
+    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--replace", action="store_true", help="take over a live engine's id")
+    _add_settings_flags(parser)
+    _add_metrics_flags(parser)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from ._events import require_event_libraries  # noqa: PLC0415 - needs the launch extra
+    from ._launch import launch  # noqa: PLC0415
+
+    try:
+        require_event_libraries()
+    except ImportError as exc:
+        raise UsageError(str(exc)) from None
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return launch(
+        command,
+        event_host=args.event_host,
+        ready_timeout=args.ready_timeout,
+        stop_timeout=args.stop_timeout,
+        engine_id=args.engine_id,
+        ttl=args.ttl,
+        labels=_parse_labels(args.label),
+        settings=settings_from_args(args),
+        replace=args.replace,
+        metrics=metrics_from_args(args),
+    )
+
+
 def _cmd_deregister(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     key = settings.keyspace.key(args.engine_id)
@@ -377,13 +410,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-caching-coordinator-policy",
         choices=[p.value for p in PrefixCachingCoordinatorPolicy],
     )
-    reg.add_argument("--engine-id", help="default: {hostname}-{pid}-{random}")
-    reg.add_argument("--ttl", type=float, default=10.0, help="lease TTL in seconds (default 10)")
-    reg.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    reg.add_argument("--replace", action="store_true", help="take over a live engine's id")
-    _add_settings_flags(reg)
-    _add_metrics_flags(reg)
+    _add_registration_flags(reg)
     reg.set_defaults(func=_cmd_register)
+
+    launch = commands.add_parser(
+        "launch",
+        help="start an engine command and register it from its ready message",
+        usage="discovery launch [options] -- COMMAND ... {event_address} ...",
+    )
+    launch.add_argument(
+        "--event-host",
+        default="127.0.0.1",
+        help="address to bind the engine-event socket on (routable when rank zero is remote)",
+    )
+    launch.add_argument(
+        "--ready-timeout",
+        type=float,
+        help="stop the engine when no valid ready message came within this many seconds",
+    )
+    launch.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=20.0,
+        help="seconds between the forwarded stop signal and SIGKILL (default 20)",
+    )
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="the engine command, after --")
+    _add_registration_flags(launch)
+    launch.set_defaults(func=_cmd_launch)
 
     dereg = commands.add_parser("deregister", help="remove an engine's record by id")
     dereg.add_argument("engine_id")

@@ -126,6 +126,12 @@ class Metrics:
             registry=registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1),
         )
+        # engine events (discovery launch, EngineEventReceiver)
+        self._engine_events = counter(
+            "discovery_engine_events_total",
+            "Engine-event frames received, by outcome: ready, ignored, malformed, rejected.",
+            ("outcome",),
+        )
         # routing
         self._picks = counter(
             "discovery_router_picks_total", "Engines picked, by the policy that chose.", ("policy",)
@@ -171,6 +177,10 @@ class Metrics:
     def revoked(self, seconds: float) -> None:
         """Observe how long a revoke took."""
         self._revoke.observe(seconds)
+
+    def engine_event(self, outcome: str) -> None:
+        """Count one engine-event frame by its outcome."""
+        self._engine_events.labels(outcome).inc()
 
     # -- watcher -----------------------------------------------------------------------
 
