@@ -23,6 +23,7 @@ from ._errors import (
     PermissionDeniedError,
     RecordDecodeError,
 )
+from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
 from ._metrics import Metrics
 from ._registration import (
     Registration,
@@ -52,6 +53,7 @@ __all__ = [
     "EndpointEvent",
     "EndpointWatcher",
     "EngineConflictError",
+    "EngineEventReceiver",
     "EngineRecord",
     "EtcdError",
     "EtcdUnavailableError",
@@ -65,6 +67,8 @@ __all__ = [
     "PermissionDeniedError",
     "PickHandle",
     "PrefixCachingCoordinatorPolicy",
+    "ReceiverHealth",
+    "ReceiverState",
     "RecordDecodeError",
     "Registration",
     "RegistrationHealth",
