@@ -26,7 +26,7 @@ from discovery._events import decode_frame, endpoint_from_ready
 from .helpers import MEGATRON_FIELDS, WatchLog, get_kv, make_endpoint, wait_for
 
 
-class MegatronPolicy(str, enum.Enum):
+class MegatronPolicy(str, enum.Enum):  # noqa: UP042 - Megatron's is (str, Enum)
     """Megatron's PrefixCachingCoordinatorPolicy: a str-valued Enum (wire_contract.md)."""
 
     FIRST_PREFIX_BLOCK = "first_prefix_block"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -53,9 +54,9 @@ class Launcher:
         self.engine_id = engine_id
         self.key = settings.keyspace.key(engine_id)
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        launch = [sys.executable, "-m", "discovery", "launch", "--engine-id", engine_id, *flags]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "discovery", "launch", "--engine-id", engine_id, *flags]
-            + ["--", *command],
+            [*launch, "--", *command],
             env=cli_env(settings),
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -93,10 +94,8 @@ class Launcher:
             self.process.kill()
         self.process.wait(10)
         for pid in pids:  # the engine's group, in case the test failed before it ended
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self._log.close()
 
 
@@ -120,7 +119,7 @@ def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all
     settings: Settings, launched
 ) -> None:
     launcher = launched("standin-0", STAND_IN, "--label", "model=m", "--ttl", "5")
-    _, added = launched.watch.wait("standin-0", "added", timeout=60)
+    launched.watch.wait("standin-0", "added", timeout=60)
     child, guard = launcher.child_pid(), launcher.guard_pid()
     value = json.loads(get_kv(settings.endpoints, launcher.key)["value"])
     metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at")}
