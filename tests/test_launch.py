@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from discovery import Settings
+from discovery._cli import build_parser
+from discovery._launch import check_command
 from discovery._stand_in_engine import default_endpoint
 
 from .helpers import WatchLog, cli_env, get_kv, run_cli, run_python, wait_for
@@ -265,3 +268,18 @@ def test_bad_commands(settings: Settings) -> None:
         assert result.returncode == status, (args, result.stderr)
         assert message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+def test_the_readme_megatron_example_is_a_valid_command_line() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```bash\npip install 'discovery\[launch\]'.*?\n(discovery launch .*?)```",
+                      readme, re.S).group(1)  # fmt: skip
+    block = block.replace("\\\n", " ")  # line continuations, as the shell reads them
+    argv = shlex.split(block.replace("<Megatron arguments>", "--tensor-model-parallel-size 8"))
+    args = build_parser().parse_args(argv[1:])
+    assert args.func.__name__ == "_cmd_launch"
+    assert (args.engine_id, args.label) == ("llama-0", ["model=llama-3-8b"])
+    command = args.command[1:]
+    check_command(command)
+    assert command[:2] == ["torchrun", "--nproc-per-node"]
+    assert "--dynamo-parent-event-address" in command
