@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ready = default_endpoint() if args.ready is None else args.ready
     for kind, payload in [("ready", ready), *kv_events(args.kv_events)]:
         sock.send(msgpack.packb([kind, payload], use_bin_type=True))
-    received = signal.sigwait(stop)
+    received = signal.Signals(signal.sigwait(stop))
     print(f"stand-in engine: {received.name}, exiting {args.exit_status}", file=sys.stderr)
     sock.close()
     context.term()
