@@ -25,14 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ._cli import UsageError, format_event, metrics_from_args, settings_from_args
-from ._endpoint import (
-    InferenceEngineCapabilities,
-    InferenceEngineEndpoint,
-    PrefixCachingCoordinatorPolicy,
-)
+from ._endpoint import PrefixCachingCoordinatorPolicy
 from ._events import require_event_libraries
 from ._routing import RoutingSnapshot, RoutingTable
 from ._settings import ENV_PREFIX, Settings
+from ._stand_in_engine import default_endpoint
 from ._watcher import EndpointEvent, EventType
 
 _POLICIES = tuple(PrefixCachingCoordinatorPolicy)
@@ -59,19 +56,12 @@ def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
 
 
 def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
-    ready = InferenceEngineEndpoint(
+    ready = default_endpoint(
         f"tcp://10.0.0.{index + 1}:5555",
-        InferenceEngineCapabilities(
-            context_length=8192,
-            kv_cache_block_size=256,
-            total_kv_blocks=4096 * (index + 1),
-            max_num_seqs=64 * (index + 1),
-            max_num_batched_tokens=8192,
-            bos_token_id=1,
-            enable_prefix_caching=True,
-            prefix_caching_coordinator_policy=_POLICIES[index % len(_POLICIES)],
-        ),
-    ).to_dict()
+        total_kv_blocks=4096 * (index + 1),
+        max_num_seqs=64 * (index + 1),
+        prefix_caching_coordinator_policy=_POLICIES[index % len(_POLICIES)],
+    )
     return [
         sys.executable, "-m", "discovery", "launch",
         "--engine-id", f"demo-engine-{index}",

@@ -20,9 +20,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
-import zmq
-
 from ._endpoint import (
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
@@ -32,19 +29,20 @@ from ._endpoint import (
 _BLOCK_TOKENS = 256
 
 
-def default_endpoint() -> dict[str, Any]:
-    """A plausible engine's ``InferenceEngineEndpoint.to_dict()``."""
-    capabilities = InferenceEngineCapabilities(
-        context_length=8192,
-        kv_cache_block_size=_BLOCK_TOKENS,
-        total_kv_blocks=4095,
-        max_num_seqs=64,
-        max_num_batched_tokens=8192,
-        bos_token_id=1,
-        enable_prefix_caching=True,
-        prefix_caching_coordinator_policy=PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
-    )
-    return InferenceEngineEndpoint("tcp://127.0.0.1:5555", capabilities).to_dict()
+def default_endpoint(address: str = "tcp://127.0.0.1:5555", **capabilities: Any) -> dict[str, Any]:
+    """A plausible engine's ``InferenceEngineEndpoint.to_dict()``; ``capabilities`` override."""
+    values: dict[str, Any] = {
+        "context_length": 8192,
+        "kv_cache_block_size": _BLOCK_TOKENS,
+        "total_kv_blocks": 4095,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 8192,
+        "bos_token_id": 1,
+        "enable_prefix_caching": True,
+        "prefix_caching_coordinator_policy": PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+    }
+    values.update(capabilities)
+    return InferenceEngineEndpoint(address, InferenceEngineCapabilities(**values)).to_dict()
 
 
 def kv_events(count: int) -> list[tuple[str, dict[str, Any]]]:
@@ -63,6 +61,9 @@ def kv_events(count: int) -> list[tuple[str, dict[str, Any]]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Send the frames, then wait for SIGTERM/SIGINT; returns ``--exit-status``."""
+    import msgpack  # noqa: PLC0415 - the launch extra; the demo imports default_endpoint
+    import zmq  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(prog="python -m discovery._stand_in_engine")
     parser.add_argument("--dynamo-parent-event-address", required=True)
     parser.add_argument("--ready", type=json.loads, help="ready payload as JSON")

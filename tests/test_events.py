@@ -23,7 +23,7 @@ from discovery import (
 )
 from discovery._events import decode_frame, endpoint_from_ready
 
-from .helpers import MEGATRON_FIELDS, WatchLog, get_kv, make_endpoint, wait_for
+from .helpers import MEGATRON_FIELDS, WatchLog, caps_kwargs, get_kv, make_endpoint, wait_for
 
 
 class MegatronPolicy(str, enum.Enum):  # noqa: UP042 - Megatron's is (str, Enum)
@@ -34,17 +34,11 @@ class MegatronPolicy(str, enum.Enum):  # noqa: UP042 - Megatron's is (str, Enum)
 
 def megatron_to_dict(address: str = "tcp://10.9.0.1:41000", **capabilities) -> dict:
     """What Megatron's InferenceEngineEndpoint.to_dict() returns (dataclasses.asdict)."""
-    values = dict(
-        context_length=8192,
-        kv_cache_block_size=256,
-        total_kv_blocks=4095,
-        max_num_seqs=64,
-        max_num_batched_tokens=8192,
-        bos_token_id=1,
-        enable_prefix_caching=True,
-        logical_data_parallel_size=1,
-        prefix_caching_coordinator_policy=MegatronPolicy.FIRST_PREFIX_BLOCK,
-    )
+    values = {
+        **caps_kwargs(total_kv_blocks=4095, max_num_batched_tokens=8192),
+        "logical_data_parallel_size": 1,
+        "prefix_caching_coordinator_policy": MegatronPolicy.FIRST_PREFIX_BLOCK,
+    }
     values.update(capabilities)
     assert tuple(values) == MEGATRON_FIELDS
     return {"coordinator_address": address, "capabilities": values}
