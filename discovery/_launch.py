@@ -208,7 +208,8 @@ class _Supervisor:
         self._ready_deadline = None if ready_timeout is None else time.monotonic() + ready_timeout
         self._ready_timeout = ready_timeout
         self._name = receiver.engine_id
-        threading.Thread(target=self._reap, name="discovery-launch-child", daemon=True).start()
+        self._reaper = threading.Thread(target=self._reap, name="discovery-launch-child")
+        self._reaper.start()
 
     def _reap(self) -> None:
         self._child.wait()
@@ -219,6 +220,9 @@ class _Supervisor:
         try:
             return self._loop()
         finally:
+            if self._child.returncode is None:  # an unexpected error: no engine left behind
+                self._stop_child(signal.SIGTERM)
+            self._reaper.join()  # its last note must reach the pipe before the pipe closes
             guard.release()
 
     def _loop(self) -> int:
