@@ -153,13 +153,9 @@ class ReceiverHealth:
 class EngineEventReceiver:
     """Receives a Megatron engine's events and registers the engine from its ready message.
 
-    For launchers other than ``discovery launch`` (Slurm wrappers, Ray actors)::
-
-        with EngineEventReceiver(engine_id="llama-0", settings=settings) as receiver:
-            start_engine(f"--dynamo-parent-event-address {receiver.address}")
-            receiver.wait_registered(timeout=600)
-            ...  # until the engine exits
-        # closed: the lease is revoked
+    For launchers other than ``discovery launch`` (Slurm wrappers, Ray actors): start it
+    (or enter it), pass ``address`` to the engine as ``--dynamo-parent-event-address``,
+    and close it when the engine exits; README.md has a complete example.
 
     The keyword arguments are those of ``register_engine``, plus ``host`` to bind (a
     routable address when rank zero runs on another node). Thread-safe; from asyncio use
