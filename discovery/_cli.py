@@ -417,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
         "launch",
         help="start an engine command and register it from its ready message",
         usage="discovery launch [options] -- COMMAND ... {event_address} ...",
+        description="Start COMMAND with the engine-event socket's address in place of "
+        "{event_address}, register the engine from its ready message, and revoke the record "
+        "when it exits. Exit status: the engine's (128 + N when killed by signal N); 0 when "
+        "SIGTERM/SIGINT stopped it; 1 no valid ready message in time or registration refused; "
+        "2 bad input; 126/127 COMMAND cannot run / not found.",
     )
     launch.add_argument(
         "--event-host",
