@@ -23,6 +23,7 @@ from ._errors import (
     PermissionDeniedError,
     RecordDecodeError,
 )
+from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
 from ._metrics import Metrics, MetricsHooks
 from ._registration import (
     Registration,
@@ -61,6 +62,7 @@ __all__ = [
     "EndpointEvent",
     "EndpointWatcher",
     "EngineConflictError",
+    "EngineEventReceiver",
     "EngineListing",
     "EngineRecord",
     "EtcdError",
@@ -77,6 +79,8 @@ __all__ = [
     "PermissionDeniedError",
     "PickHandle",
     "PrefixCachingCoordinatorPolicy",
+    "ReceiverHealth",
+    "ReceiverState",
     "RecordDecodeError",
     "Registration",
     "RegistrationHealth",

@@ -58,6 +58,10 @@ class MetricsHooks(Protocol):
         """A lease was revoked on close, taking ``seconds``."""
         return None
 
+    def engine_event(self, outcome: str) -> None:
+        """An engine-event frame arrived: ``ready``, ``ignored``, ``malformed``, ``rejected``."""
+        return None
+
     def watcher_connected(self, prefix: str, connected: bool) -> None:
         """The watch stream of ``prefix`` went up or down."""
         return None
@@ -191,6 +195,12 @@ class Metrics(MetricsHooks):
             registry=registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1),
         )
+        # engine events (discovery launch, EngineEventReceiver)
+        self._engine_events = counter(
+            "discovery_engine_events_total",
+            "Engine-event frames received, by outcome: ready, ignored, malformed, rejected.",
+            ("outcome",),
+        )
         # routing
         self._picks = counter(
             "discovery_router_picks_total", "Engines picked, by the policy that chose.", ("policy",)
@@ -236,6 +246,10 @@ class Metrics(MetricsHooks):
     def revoked(self, seconds: float) -> None:
         """Observe how long a revoke took."""
         self._revoke.observe(seconds)
+
+    def engine_event(self, outcome: str) -> None:
+        """Count one engine-event frame by its outcome."""
+        self._engine_events.labels(outcome).inc()
 
     # -- watcher -----------------------------------------------------------------------
 

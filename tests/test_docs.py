@@ -43,6 +43,10 @@ INTENDED = {
     "Registration",
     "RegistrationState",
     "RegistrationHealth",
+    # automatic registration on engine start (Megatron's engine events)
+    "EngineEventReceiver",
+    "ReceiverState",
+    "ReceiverHealth",
     # watching and routing
     "EndpointWatcher",
     "EndpointEvent",
