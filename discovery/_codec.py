@@ -8,6 +8,7 @@ exactly ``InferenceEngineEndpoint.to_dict()`` plus optional top-level metadata
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
+
+import orjson
 
 from ._endpoint import InferenceEngineEndpoint
 from ._errors import InvalidRecordError, RecordDecodeError
@@ -36,6 +39,9 @@ _NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,128}")  # and not only dots
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 _MAX_LABEL_VALUE = 256
 _MAX_LABELS = 64
+_NO_LABELS: Mapping[str, str] = MappingProxyType({})
+_SHARED_LABELS = 1024
+"""How many distinct label sets decoding keeps one shared read-only mapping of."""
 
 
 def _check_name(value: object, what: str) -> str:
@@ -73,7 +79,7 @@ def validate_root(root: object) -> str:
 def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
     """Return a read-only copy of ``labels`` after checking keys, values and count."""
     if labels is None:
-        return MappingProxyType({})
+        return _NO_LABELS
     if not isinstance(labels, Mapping):
         raise InvalidRecordError(f"labels must be a mapping, not {type(labels).__name__}")
     if len(labels) > _MAX_LABELS:
@@ -92,6 +98,26 @@ def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
     return MappingProxyType(dict(labels))
 
 
+@functools.lru_cache(maxsize=_SHARED_LABELS)
+def _shared_labels(items: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
+    return validate_labels(dict(items))
+
+
+def _decoded_labels(labels: object) -> Mapping[str, str]:
+    """The labels of a decoded value, one shared read-only mapping per distinct set.
+
+    Engines of one pool carry the same labels: they share one validated mapping (and
+    its strings) instead of a copy each. A cache hit means an equal set of JSON strings
+    was valid before; anything else is validated and named by ``validate_labels``.
+    """
+    if type(labels) is dict:
+        try:
+            return _shared_labels(tuple(labels.items()))
+        except TypeError:  # an unhashable value (a list, an object): not a string
+            pass
+    return validate_labels(labels)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class KeySpace:
     """The keys of one namespace: ``{root}/{namespace}/engines/{engine_id}``."""
@@ -104,7 +130,7 @@ class KeySpace:
         validate_root(self.root)
         validate_namespace(self.namespace)
 
-    @property
+    @functools.cached_property
     def prefix(self) -> str:
         """The prefix every engine key of this namespace starts with."""
         return f"{self.root}/{self.namespace}/engines/"
@@ -129,7 +155,7 @@ class KeySpace:
         return decode(text_key, value, self.engine_id(text_key))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineRecord:
     """One engine as stored in etcd: its id, endpoint, labels and registration time."""
 
@@ -146,6 +172,22 @@ class EngineRecord:
         object.__setattr__(self, "labels", validate_labels(self.labels))
         if self.registered_at is not None and not isinstance(self.registered_at, datetime):
             raise InvalidRecordError("registered_at must be a datetime")
+
+    @classmethod
+    def _decoded(
+        cls,
+        engine_id: str,
+        endpoint: InferenceEngineEndpoint,
+        labels: Mapping[str, str],
+        registered_at: datetime | None,
+    ) -> EngineRecord:
+        """A record from parts the decoder has already validated: nothing is checked twice."""
+        record = object.__new__(cls)
+        _set(record, "engine_id", engine_id)
+        _set(record, "endpoint", endpoint)
+        _set(record, "labels", labels)
+        _set(record, "registered_at", registered_at)
+        return record
 
     def matches(self, selector: Mapping[str, str] | None) -> bool:
         """Whether every ``key: value`` of ``selector`` is among this record's labels."""
@@ -184,9 +226,17 @@ class RecordView:
         return self.record.labels
 
 
+_set = object.__setattr__  # how a frozen dataclass sets its own fields
+
+
 def encode(record: EngineRecord) -> bytes:
     """Encode ``record`` as compact UTF-8 JSON, refusing values over MAX_VALUE_BYTES."""
-    data = json.dumps(record.to_value(), separators=(",", ":"), ensure_ascii=False).encode()
+    value = record.to_value()
+    try:
+        data = orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        # Integers beyond 64 bits (valid for Megatron): the standard encoder writes them.
+        data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
     if len(data) > MAX_VALUE_BYTES:
         raise InvalidRecordError(
             f"encoded record for {record.engine_id!r} is {len(data)} bytes, over the "
@@ -196,16 +246,37 @@ def encode(record: EngineRecord) -> bytes:
 
 
 def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
-    """Decode the value stored at ``key`` for ``engine_id``, or raise RecordDecodeError."""
+    """Decode the value stored at ``key``, or raise RecordDecodeError.
+
+    ``engine_id`` is the id the key names, already validated (``KeySpace.engine_id``).
+    orjson parses; the standard library's parser decides whenever orjson refuses a value
+    or the result does not validate, so exactly the values ``json.loads`` reads (NaN,
+    lone surrogates, integers beyond 64 bits, which orjson turns into floats) decode.
+    """
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return _record(key, _loads_exactly(key, value), engine_id)
+    try:
+        return _record(key, obj, engine_id)
+    except RecordDecodeError:
+        return _record(key, _loads_exactly(key, value), engine_id)
+
+
+def _loads_exactly(key: str, value: bytes) -> Any:
     try:
         text = value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecordDecodeError(key, f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise RecordDecodeError(key, f"not JSON ({exc})") from exc
-    if not isinstance(obj, dict):
+
+
+def _record(key: str, obj: Any, engine_id: str) -> EngineRecord:
+    """Validate a parsed value in one pass and build its record."""
+    if type(obj) is not dict:
         raise RecordDecodeError(key, f"a JSON {type(obj).__name__}, not an object")
     try:
         endpoint = InferenceEngineEndpoint.from_dict(obj)
@@ -216,14 +287,15 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     stored_id = obj.get("engine_id", engine_id)
     if stored_id != engine_id:
         raise RecordDecodeError(key, f"engine_id {stored_id!r} does not match the key")
+    labels = obj.get("labels")  # null means none; false, [] or "" are bad labels
     try:
-        return EngineRecord(
-            engine_id=engine_id,
-            endpoint=endpoint,
-            labels=obj.get("labels"),  # null means none; false, [] or "" are bad labels
-            registered_at=_parse_time(obj.get("registered_at")),
+        return EngineRecord._decoded(
+            engine_id,
+            endpoint,
+            _NO_LABELS if labels is None else _decoded_labels(labels),
+            _parse_time(obj.get("registered_at")),
         )
-    except (InvalidRecordError, ValueError, TypeError) as exc:
+    except ValueError as exc:  # InvalidRecordError is one
         raise RecordDecodeError(key, str(exc)) from exc
 
 

@@ -8,8 +8,10 @@ side loads on the other. This module knows nothing about etcd.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Protocol
 
 __all__ = [
@@ -57,7 +59,7 @@ _BOS_ATTRIBUTES = ("bos", "bos_token_id", "eod")
 
 
 def _require_mapping(value: object, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
+    if type(value) is not dict and not isinstance(value, Mapping):  # dict: skip the ABC check
         raise TypeError(f"{what} must be a mapping, not {type(value).__name__}")
     return value
 
@@ -79,20 +81,44 @@ class InferenceEngineCapabilities:
 
     def __post_init__(self) -> None:
         """Validate types first, then ranges, with Megatron's exception types."""
-        for name in _INTEGER_FIELDS:
-            value = getattr(self, name)
-            # bool is an int subclass; Megatron rejects it, and so do we.
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an integer")
-        if not isinstance(self.enable_prefix_caching, bool):
+        # Plain comparisons for the common case; the loops below only run to name the
+        # first offending field, in Megatron's order.
+        context_length = self.context_length
+        kv_cache_block_size = self.kv_cache_block_size
+        total_kv_blocks = self.total_kv_blocks
+        max_num_seqs = self.max_num_seqs
+        max_num_batched_tokens = self.max_num_batched_tokens
+        logical_data_parallel_size = self.logical_data_parallel_size
+        if not (
+            type(context_length) is int
+            and type(kv_cache_block_size) is int
+            and type(total_kv_blocks) is int
+            and type(max_num_seqs) is int
+            and type(max_num_batched_tokens) is int
+            and type(self.bos_token_id) is int
+            and type(logical_data_parallel_size) is int
+        ):
+            for name in _INTEGER_FIELDS:
+                value = getattr(self, name)
+                # bool is an int subclass; Megatron rejects it, and so do we.
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{name} must be an integer")
+        if type(self.enable_prefix_caching) is not bool:
             raise TypeError("enable_prefix_caching must be a boolean")
         policy = self.prefix_caching_coordinator_policy
-        if policy is not None and not isinstance(policy, PrefixCachingCoordinatorPolicy):
+        if policy is not None and type(policy) is not PrefixCachingCoordinatorPolicy:
             raise TypeError("prefix_caching_coordinator_policy must be a routing policy")
-        for name in _POSITIVE_FIELDS:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.total_kv_blocks < 0:
+        if not (
+            context_length > 0
+            and kv_cache_block_size > 0
+            and max_num_seqs > 0
+            and max_num_batched_tokens > 0
+            and logical_data_parallel_size > 0
+        ):
+            for name in _POSITIVE_FIELDS:
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name} must be positive")
+        if total_kv_blocks < 0:
             raise ValueError("total_kv_blocks must be non-negative")
 
     @classmethod
@@ -125,27 +151,54 @@ class InferenceEngineCapabilities:
     def from_dict(cls, value: Mapping[str, Any]) -> InferenceEngineCapabilities:
         """Deserialize a capabilities mapping received across a process boundary."""
         value = _require_mapping(value, "capabilities")
-        policy = value.get("prefix_caching_coordinator_policy")
-        return cls(
-            context_length=value["context_length"],
-            kv_cache_block_size=value["kv_cache_block_size"],
-            total_kv_blocks=value["total_kv_blocks"],
-            max_num_seqs=value["max_num_seqs"],
-            max_num_batched_tokens=value["max_num_batched_tokens"],
-            bos_token_id=value["bos_token_id"],
-            enable_prefix_caching=value["enable_prefix_caching"],
-            logical_data_parallel_size=value.get("logical_data_parallel_size", 1),
-            prefix_caching_coordinator_policy=_parse_policy(policy),
+        values = (
+            value["context_length"],
+            value["kv_cache_block_size"],
+            value["total_kv_blocks"],
+            value["max_num_seqs"],
+            value["max_num_batched_tokens"],
+            value["bos_token_id"],
+            value["enable_prefix_caching"],
+            value.get("logical_data_parallel_size", 1),
+            _parse_policy(value.get("prefix_caching_coordinator_policy")),
         )
+        if cls is not InferenceEngineCapabilities:
+            return cls(*values)
+        try:
+            return _shared_capabilities(*values)
+        except TypeError:
+            # An unhashable value (a list, a dict) is no valid field: the constructor
+            # raises Megatron's TypeError naming the field.
+            return cls(*values)
 
     def to_dict(self) -> dict[str, int | bool | str | None]:
         """Return a serialization-friendly representation."""
-        return asdict(self)
+        return dict(zip(_FIELD_NAMES, _field_values(self), strict=True))
 
 
-def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
-    # An unknown value, of any type, raises ValueError from the enum lookup.
-    return None if policy is None else PrefixCachingCoordinatorPolicy(policy)
+_FIELD_NAMES = tuple(f.name for f in fields(InferenceEngineCapabilities))
+_field_values = attrgetter(*_FIELD_NAMES)
+_POLICIES = {member.value: member for member in PrefixCachingCoordinatorPolicy}
+_SHARED_CAPABILITIES = 4096
+"""How many distinct capability records decoding keeps one shared instance of."""
+
+
+@functools.lru_cache(maxsize=_SHARED_CAPABILITIES, typed=True)
+def _shared_capabilities(*values: Any) -> InferenceEngineCapabilities:
+    # Records are immutable and compared by value: engines with equal capabilities
+    # (a fleet of one model) share one instance, validated once. ``typed`` keeps
+    # 1 and True (or 1.0) apart, so a cached instance only serves values of its types.
+    return InferenceEngineCapabilities(*values)
+
+
+def _parse_policy(policy: Any) -> PrefixCachingCoordinatorPolicy | None:
+    if policy is None:
+        return None
+    try:
+        return _POLICIES[policy]
+    except (KeyError, TypeError):
+        # An unknown value, of any type, raises ValueError from the enum lookup.
+        return PrefixCachingCoordinatorPolicy(policy)
 
 
 def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | None:
@@ -165,12 +218,7 @@ class InferenceEngineEndpoint:
 
     def __post_init__(self) -> None:
         """Validate with Megatron's exception types."""
-        if not isinstance(self.coordinator_address, str):
-            raise TypeError("coordinator_address must be a string")
-        if not self.coordinator_address:
-            raise ValueError("coordinator_address must be non-empty")
-        if not isinstance(self.capabilities, InferenceEngineCapabilities):
-            raise TypeError("capabilities must be InferenceEngineCapabilities")
+        _check_endpoint(self.coordinator_address, self.capabilities)
 
     @classmethod
     def from_engine(
@@ -193,13 +241,33 @@ class InferenceEngineEndpoint:
         """Deserialize an endpoint received across a process boundary."""
         value = _require_mapping(value, "endpoint")
         capabilities = value["capabilities"]
-        if not isinstance(capabilities, Mapping):
+        if type(capabilities) is not dict and not isinstance(capabilities, Mapping):
             raise TypeError("capabilities must be a mapping")
-        return cls(
-            coordinator_address=value["coordinator_address"],
-            capabilities=InferenceEngineCapabilities.from_dict(capabilities),
-        )
+        address = value["coordinator_address"]
+        capabilities = InferenceEngineCapabilities.from_dict(capabilities)
+        if cls is not InferenceEngineEndpoint:
+            return cls(address, capabilities)
+        _check_endpoint(address, capabilities)
+        endpoint = object.__new__(cls)  # validated: skip the frozen __init__'s checks
+        _set(endpoint, "coordinator_address", address)
+        _set(endpoint, "capabilities", capabilities)
+        return endpoint
 
     def to_dict(self) -> dict[str, Any]:
         """Return a serialization-friendly representation."""
-        return asdict(self)
+        return {
+            "coordinator_address": self.coordinator_address,
+            "capabilities": self.capabilities.to_dict(),
+        }
+
+
+_set = object.__setattr__  # how a frozen dataclass sets its own fields
+
+
+def _check_endpoint(address: object, capabilities: object) -> None:
+    if not isinstance(address, str):
+        raise TypeError("coordinator_address must be a string")
+    if not address:
+        raise ValueError("coordinator_address must be non-empty")
+    if not isinstance(capabilities, InferenceEngineCapabilities):
+        raise TypeError("capabilities must be InferenceEngineCapabilities")
