@@ -32,8 +32,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import etcd3
 import etcd3.exceptions as etcd3_exc
@@ -220,9 +219,8 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
         return self.endpoints[label].use()
 
 
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from etcd."""
+class KeyValue(NamedTuple):
+    """One key as read from etcd (a tuple: a third of a frozen dataclass's build cost)."""
 
     key: bytes
     value: bytes

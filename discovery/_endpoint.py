@@ -8,7 +8,6 @@ side loads on the other. This module knows nothing about etcd.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from operator import attrgetter
@@ -59,7 +58,7 @@ _BOS_ATTRIBUTES = ("bos", "bos_token_id", "eod")
 
 
 def _require_mapping(value: object, what: str) -> Mapping[str, Any]:
-    if type(value) is not dict and not isinstance(value, Mapping):  # dict: skip the ABC check
+    if not isinstance(value, Mapping):
         raise TypeError(f"{what} must be a mapping, not {type(value).__name__}")
     return value
 
@@ -151,25 +150,18 @@ class InferenceEngineCapabilities:
     def from_dict(cls, value: Mapping[str, Any]) -> InferenceEngineCapabilities:
         """Deserialize a capabilities mapping received across a process boundary."""
         value = _require_mapping(value, "capabilities")
-        values = (
-            value["context_length"],
-            value["kv_cache_block_size"],
-            value["total_kv_blocks"],
-            value["max_num_seqs"],
-            value["max_num_batched_tokens"],
-            value["bos_token_id"],
-            value["enable_prefix_caching"],
-            value.get("logical_data_parallel_size", 1),
-            _parse_policy(value.get("prefix_caching_coordinator_policy")),
+        policy = value.get("prefix_caching_coordinator_policy")
+        return cls(
+            context_length=value["context_length"],
+            kv_cache_block_size=value["kv_cache_block_size"],
+            total_kv_blocks=value["total_kv_blocks"],
+            max_num_seqs=value["max_num_seqs"],
+            max_num_batched_tokens=value["max_num_batched_tokens"],
+            bos_token_id=value["bos_token_id"],
+            enable_prefix_caching=value["enable_prefix_caching"],
+            logical_data_parallel_size=value.get("logical_data_parallel_size", 1),
+            prefix_caching_coordinator_policy=_parse_policy(policy),
         )
-        if cls is not InferenceEngineCapabilities:
-            return cls(*values)
-        try:
-            return _shared_capabilities(*values)
-        except TypeError:
-            # An unhashable value (a list, a dict) is no valid field: the constructor
-            # raises Megatron's TypeError naming the field.
-            return cls(*values)
 
     def to_dict(self) -> dict[str, int | bool | str | None]:
         """Return a serialization-friendly representation."""
@@ -178,27 +170,11 @@ class InferenceEngineCapabilities:
 
 _FIELD_NAMES = tuple(f.name for f in fields(InferenceEngineCapabilities))
 _field_values = attrgetter(*_FIELD_NAMES)
-_POLICIES = {member.value: member for member in PrefixCachingCoordinatorPolicy}
-_SHARED_CAPABILITIES = 4096
-"""How many distinct capability records decoding keeps one shared instance of."""
 
 
-@functools.lru_cache(maxsize=_SHARED_CAPABILITIES, typed=True)
-def _shared_capabilities(*values: Any) -> InferenceEngineCapabilities:
-    # Records are immutable and compared by value: engines with equal capabilities
-    # (a fleet of one model) share one instance, validated once. ``typed`` keeps
-    # 1 and True (or 1.0) apart, so a cached instance only serves values of its types.
-    return InferenceEngineCapabilities(*values)
-
-
-def _parse_policy(policy: Any) -> PrefixCachingCoordinatorPolicy | None:
-    if policy is None:
-        return None
-    try:
-        return _POLICIES[policy]
-    except (KeyError, TypeError):
-        # An unknown value, of any type, raises ValueError from the enum lookup.
-        return PrefixCachingCoordinatorPolicy(policy)
+def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
+    # An unknown value, of any type, raises ValueError from the enum lookup.
+    return None if policy is None else PrefixCachingCoordinatorPolicy(policy)
 
 
 def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | None:
@@ -241,15 +217,21 @@ class InferenceEngineEndpoint:
         """Deserialize an endpoint received across a process boundary."""
         value = _require_mapping(value, "endpoint")
         capabilities = value["capabilities"]
-        if type(capabilities) is not dict and not isinstance(capabilities, Mapping):
+        if not isinstance(capabilities, Mapping):
             raise TypeError("capabilities must be a mapping")
-        address = value["coordinator_address"]
-        capabilities = InferenceEngineCapabilities.from_dict(capabilities)
-        if cls is not InferenceEngineEndpoint:
-            return cls(address, capabilities)
-        _check_endpoint(address, capabilities)
-        endpoint = object.__new__(cls)  # validated: skip the frozen __init__'s checks
-        _set(endpoint, "coordinator_address", address)
+        return cls(
+            coordinator_address=value["coordinator_address"],
+            capabilities=InferenceEngineCapabilities.from_dict(capabilities),
+        )
+
+    @classmethod
+    def _checked(
+        cls, coordinator_address: str, capabilities: InferenceEngineCapabilities
+    ) -> InferenceEngineEndpoint:
+        """The same validation as the constructor, without its generic set-up (codec)."""
+        _check_endpoint(coordinator_address, capabilities)
+        endpoint = object.__new__(cls)
+        _set(endpoint, "coordinator_address", coordinator_address)
         _set(endpoint, "capabilities", capabilities)
         return endpoint
 

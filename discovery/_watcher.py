@@ -125,7 +125,7 @@ class _Sink(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     record: EngineRecord
     mod_revision: int
@@ -408,7 +408,7 @@ class EndpointWatcher:
         fresh: dict[str, _Entry] = {}
         for kv in kvs:
             key = kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, kv.key, kv.value)
+            record = self._decode(key, kv.value)
             if record is not None:
                 fresh[key] = _Entry(record, kv.mod_revision)
         with self._lock:
@@ -435,10 +435,10 @@ class EndpointWatcher:
         self._metrics.watcher_revision(self.prefix, revision, self._newest)
         self._mark_connected()
 
-    def _decode(self, key: str, raw_key: bytes, value: bytes) -> EngineRecord | None:
+    def _decode(self, key: str, value: bytes) -> EngineRecord | None:
         """The record at ``key`` if valid and selected; None (counted if invalid) otherwise."""
         try:
-            record = self._keyspace.decode(raw_key, value)
+            record = self._keyspace.decode(key, value)
         except RecordDecodeError as exc:
             with self._lock:
                 self._skipped += 1
@@ -456,7 +456,7 @@ class EndpointWatcher:
         decoded = []
         for event in events:  # decode outside the lock
             key = event.kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, event.kv.key, event.kv.value) if event.type == _PUT else None
+            record = self._decode(key, event.kv.value) if event.type == _PUT else None
             decoded.append((key, event.kv.mod_revision, event.type == _PUT, record))
         with self._lock:
             for key, revision, is_put, record in decoded:

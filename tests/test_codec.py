@@ -317,6 +317,19 @@ def test_values_json_loads_reads_decode(extra: bytes) -> None:
     assert KeySpace().decode(KEY.encode(), value) == make_record()
 
 
+def test_non_utf8_bytes_in_an_ignored_field_are_still_not_utf8() -> None:
+    value = encode(make_record())[:-1] + b',"future":"\xff"}'
+    assert_decode_error(value, "not UTF-8")
+
+
+def test_non_ascii_values_round_trip() -> None:
+    record = make_record(
+        endpoint=InferenceEngineEndpoint("tcp://h\u00f4te:1", make_endpoint().capabilities),
+        labels={"owner": "Zo\u00eb"},
+    )
+    assert KeySpace().decode(KEY.encode(), encode(record)) == record
+
+
 def test_decoded_records_share_equal_capabilities_and_labels() -> None:
     first = KeySpace().decode(KEY.encode(), encode(make_record()))
     other_key = KEY.replace("engine-1", "engine-2")
