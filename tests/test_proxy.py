@@ -17,17 +17,20 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from etcd3 import etcdrpc
 
 from discovery import EndpointWatcher, EventType, RoutingTable, Settings, register_engine
-from discovery.embedded import EtcdCluster, EtcdGrpcProxy
+from discovery.embedded import EtcdCluster, EtcdGrpcProxy, find_binary
 
 from .helpers import etcdctl, make_endpoint, wait_for
 from .test_watcher import Recorder
@@ -204,3 +207,35 @@ def test_proxy_ignores_hasleader_of_its_clients() -> None:
                 os.kill(other.pid, signal.SIGCONT)
             direct.close()
             proxied.close()
+
+
+# -- deploy/k8s/proxy, offline --------------------------------------------------------------
+
+PROXY_MANIFEST = (
+    Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "proxy" / "etcd-proxy.yaml"
+)
+
+
+def test_proxy_manifest_validates_and_uses_only_flags_grpc_proxy_knows() -> None:
+    import kubernetes_validate  # noqa: PLC0415
+    import yaml  # noqa: PLC0415
+
+    docs = list(yaml.safe_load_all(PROXY_MANIFEST.read_text()))
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("Deployment", "etcd-proxy"),
+        ("Service", "etcd-proxy"),
+    ]
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    container = docs[0]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["grpc-proxy", "start"]
+    used = {a.removeprefix("--").split("=", 1)[0] for a in container["args"][2:]}
+    help_text = subprocess.run(
+        [find_binary("etcd"), "grpc-proxy", "start", "--help"], capture_output=True, text=True
+    )
+    known = set(re.findall(r"--([a-z0-9-]+)", help_text.stdout + help_text.stderr))
+    assert "trusted-ca-file" in known  # the help text was read
+    assert used <= known, f"grpc-proxy does not know: {sorted(used - known)}"
+    # TLS both ways: to the routers, and to the members that require client certificates.
+    assert {"cert-file", "key-file", "trusted-ca-file", "cacert", "cert", "key"} <= used
+    assert all(e.startswith("https://") for e in container["args"][2].split("=", 1)[1].split(","))
