@@ -172,20 +172,8 @@ def retained_bytes(kind: str, url: str, prefix: bytes) -> dict:
     return {"per_endpoint": traced / count, "count": count}
 
 
-def profile_ours(url: str, prefix: bytes, path: str) -> dict:
-    from pyinstrument import Profiler  # noqa: PLC0415
-
-    profiler = Profiler(interval=0.0005)
-    profiler.start()
-    count, _ = sync_ours(url, prefix)
-    profiler.stop()
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(profiler.output_text(unicode=False, color=False, show_all=False))
-    return {"count": count, "path": path}
-
-
 def main(kind: str, url: str, prefix: bytes) -> None:
-    """Answer commands on stdin with one JSON line each: run, mem, profile PATH, quit."""
+    """Answer commands on stdin with one JSON line each: run, mem, pid, quit."""
     sync = SYNCS[kind]
     loop = asyncio.new_event_loop()
     for line in sys.stdin:
@@ -201,8 +189,8 @@ def main(kind: str, url: str, prefix: bytes) -> None:
             answer: dict = {"wall": ready - t0, "cpu": time.process_time() - cpu0, "count": count}
         elif command[0] == "mem":
             answer = retained_bytes(kind, url, prefix)
-        elif command[0] == "profile":
-            answer = profile_ours(url, prefix, command[1])
+        elif command[0] == "pid":  # for a sampling profiler outside the process
+            answer = {"pid": os.getpid()}
         else:
             break
         print(json.dumps(answer), flush=True)
