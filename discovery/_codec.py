@@ -13,7 +13,7 @@ import functools
 import json
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -98,13 +98,6 @@ def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
                 f"label {key!r} must be printable and at most {_MAX_LABEL_VALUE} characters"
             )
     return MappingProxyType(dict(labels))
-
-
-@functools.lru_cache(maxsize=_SHARED)
-def _shared_labels(items: tuple[tuple[str, str], ...]) -> Mapping[str, str]:
-    # Engines of one pool carry the same labels: they share one validated read-only
-    # mapping (and its strings) instead of a copy each.
-    return validate_labels(dict(items))
 
 
 @dataclass(frozen=True)
@@ -247,21 +240,49 @@ def _wire_struct(cls: type) -> type[msgspec.Struct]:
     )
 
 
-_WireCapabilities = _wire_struct(InferenceEngineCapabilities)
+_capabilities_decoder = msgspec.json.Decoder(_wire_struct(InferenceEngineCapabilities))
+_labels_decoder = msgspec.json.Decoder(dict[str, str] | None)
+_NULL = msgspec.Raw(b"null")
 
 
 class _WireValue(msgspec.Struct, gc=False):
-    """A stored value as msgspec checks it: the JSON types of every field we read."""
+    """A stored value as msgspec checks it: the JSON types of the fields read each time.
+
+    Capabilities and labels stay raw JSON: their bytes are the key under which engines
+    share one validated instance, so a repeated set costs one bytes object, not a parse.
+    """
 
     coordinator_address: str
-    capabilities: _WireCapabilities  # type: ignore[valid-type]
+    capabilities: msgspec.Raw
     engine_id: str | msgspec.UnsetType = msgspec.UNSET  # null is a mismatch, not "absent"
-    labels: dict[str, str] | None = None
+    labels: msgspec.Raw = _NULL
     registered_at: str | None = None
 
 
 _wire_decoder = msgspec.json.Decoder(_WireValue)
-_shared_capabilities: dict[Any, InferenceEngineCapabilities] = {}
+_shared_capabilities: dict[bytes, InferenceEngineCapabilities] = {}
+_shared_labels: dict[bytes, Mapping[str, str]] = {}
+
+
+def _capabilities_of(raw: bytes) -> InferenceEngineCapabilities:
+    wire = _capabilities_decoder.decode(raw)  # types; the dataclass checks the ranges
+    return InferenceEngineCapabilities(*msgspec.structs.astuple(wire))
+
+
+def _labels_of(raw: bytes) -> Mapping[str, str]:
+    return validate_labels(_labels_decoder.decode(raw))
+
+
+def _shared(cache: dict[bytes, Any], raw: msgspec.Raw, build: Callable[[bytes], Any]) -> Any:
+    """The instance built from JSON ``raw``, shared by every value with the same bytes."""
+    key = bytes(raw)
+    found = cache.get(key)
+    if found is None:
+        found = build(key)  # raises for a bad value: nothing is cached
+        if len(cache) >= _SHARED:
+            cache.clear()
+        cache[key] = found
+    return found
 
 
 def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
@@ -288,18 +309,11 @@ def _fast_record(wire: _WireValue, engine_id: str) -> EngineRecord:
     """The record of a value msgspec has type-checked; raises on any other problem."""
     if wire.engine_id is not msgspec.UNSET and wire.engine_id != engine_id:
         raise ValueError("engine_id does not match the key")
-    caps = wire.capabilities
-    capabilities = _shared_capabilities.get(caps)
-    if capabilities is None:
-        capabilities = InferenceEngineCapabilities(*msgspec.structs.astuple(caps))
-        if len(_shared_capabilities) >= _SHARED:
-            _shared_capabilities.clear()
-        _shared_capabilities[caps] = capabilities
-    labels = wire.labels
+    capabilities = _shared(_shared_capabilities, wire.capabilities, _capabilities_of)
     return EngineRecord._decoded(
         engine_id,
         InferenceEngineEndpoint._checked(wire.coordinator_address, capabilities),
-        _NO_LABELS if labels is None else _shared_labels(tuple(labels.items())),
+        _shared(_shared_labels, wire.labels, _labels_of),
         _parse_time(wire.registered_at),
     )
 
