@@ -584,8 +584,14 @@ class _WatchStream(_Stream):
     ) -> None:
         super().__init__(client, on_token_expired)
         key = prefix.encode()
+        # progress_notify: etcd's periodic progress responses (member flag
+        # --experimental-watch-progress-notify-interval) also cross an etcd gRPC proxy,
+        # which drops the watchdog's progress requests (deploy/README.md).
         create = etcdrpc.WatchCreateRequest(
-            key=key, range_end=prefix_range_end(key), start_revision=start_revision
+            key=key,
+            range_end=prefix_range_end(key),
+            start_revision=start_revision,
+            progress_notify=True,
         )
         self.send(etcdrpc.WatchRequest(create_request=create))
         self._open(etcdrpc.WatchStub(self._channel).Watch)
