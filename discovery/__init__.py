@@ -24,6 +24,17 @@ from ._errors import (
     RecordDecodeError,
 )
 from ._metrics import Metrics
+from ._policies import (
+    Candidate,
+    Choice,
+    FirstPrefixBlockPolicy,
+    LoadBalancedPolicy,
+    LongestPrefixPolicy,
+    PickRequest,
+    Policy,
+    RoundRobinPolicy,
+    RoutingPolicy,
+)
 from ._registration import (
     Registration,
     RegistrationHealth,
@@ -33,7 +44,7 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import PickHandle, Router, RoutingPolicy
+from ._router import PickHandle, Router, RouterHealth
 from ._routing import RoutingSnapshot, RoutingTable
 from ._settings import Settings
 from ._signals import deregister_on_signals
@@ -45,6 +56,8 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "DEFAULT_ROOT",
     "MAX_VALUE_BYTES",
+    "Candidate",
+    "Choice",
     "ClosedError",
     "ConfigurationError",
     "Connection",
@@ -56,20 +69,27 @@ __all__ = [
     "EtcdError",
     "EtcdUnavailableError",
     "EventType",
+    "FirstPrefixBlockPolicy",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
     "InvalidRecordError",
     "KeySpace",
+    "LoadBalancedPolicy",
+    "LongestPrefixPolicy",
     "Metrics",
     "NoEngineAvailableError",
     "PermissionDeniedError",
     "PickHandle",
+    "PickRequest",
+    "Policy",
     "PrefixCachingCoordinatorPolicy",
     "RecordDecodeError",
     "Registration",
     "RegistrationHealth",
     "RegistrationState",
+    "RoundRobinPolicy",
     "Router",
+    "RouterHealth",
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",

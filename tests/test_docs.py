@@ -50,8 +50,18 @@ INTENDED = {
     "RoutingTable",
     "RoutingSnapshot",
     "Router",
+    "RouterHealth",
     "RoutingPolicy",
     "PickHandle",
+    # routing policies: the protocol, what it sees, the built-in classes
+    "Policy",
+    "Candidate",
+    "PickRequest",
+    "Choice",
+    "RoundRobinPolicy",
+    "LoadBalancedPolicy",
+    "FirstPrefixBlockPolicy",
+    "LongestPrefixPolicy",
     # errors
     "DiscoveryError",
     "ConfigurationError",
