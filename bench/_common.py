@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -29,9 +30,13 @@ ROOT = BENCH.parent
 sys.path.insert(0, os.environ.get("DISCOVERY_BENCH_PACKAGE") or str(ROOT))
 
 from discovery import (  # noqa: E402 - after the path tweak
+    EndpointEvent,
+    EngineRecord,
+    EventType,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
+    RoutingTable,
 )
 from discovery.embedded import EtcdCluster, find_binary  # noqa: E402
 
@@ -224,6 +229,30 @@ def make_endpoint(index: int) -> InferenceEngineEndpoint:
 
 
 LABELS = {"model": "llama-3-8b", "zone": "a", "pool": "prefill"}
+
+
+def memory_table(engines: int, **capabilities: int) -> RoutingTable:
+    """A RoutingTable of ``engines`` alike engines ``engine-000``..., fed in memory (no etcd).
+
+    They advertise ``first_prefix_block``; ``capabilities`` sets ``context_length``,
+    ``kv_cache_block_size``, ``total_kv_blocks`` and ``max_num_seqs``.
+    """
+    caps = InferenceEngineCapabilities(
+        max_num_batched_tokens=8192,
+        bos_token_id=1,
+        enable_prefix_caching=True,
+        prefix_caching_coordinator_policy=PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+        **capabilities,
+    )
+    watcher = SimpleNamespace(add_sink=lambda sink: lambda: None)
+    table = RoutingTable(watcher=watcher)  # type: ignore[arg-type]
+    events = []
+    for i in range(engines):
+        address = f"tcp://10.0.{i // 250}.{i % 250}:5555"
+        record = EngineRecord(f"engine-{i:03d}", InferenceEngineEndpoint(address, caps))
+        events.append(EndpointEvent(EventType.ADDED, f"/k/{record.engine_id}", 1, record))
+    table.deliver(tuple(events))
+    return table
 
 
 def table_text(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

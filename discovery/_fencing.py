@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 __all__ = ["FenceBook"]
 
-log = logging.getLogger("discovery._router")
+log = logging.getLogger(__name__)
 
 DEFAULT_FENCE_AFTER = 3
 DEFAULT_FENCE_SECONDS = 5.0

@@ -51,9 +51,10 @@ rendezvous score for a key is ``((key ^ seed) * 0x9E3779B97F4A7C15) mod 2**64`` 
 ``min(prefix_index_blocks, total_kv_blocks)`` block hashes (``prefix_index_blocks``
 defaults to 4096; an engine advertising ``total_kv_blocks=0`` gets
 ``prefix_index_blocks``), plus a reverse map from hash to the engines holding it. Each
-remembered (engine, block) pair costs about 200 bytes, so the index stays under ``engines
-* prefix_index_blocks * 200`` bytes (about 0.8 MB per engine by default). An engine's entries are dropped when it leaves the router's view or
-changes its block size (``Policy.forget``).
+remembered (engine, block) pair costs about 200 bytes, so the index stays under
+``engines * prefix_index_blocks * 200`` bytes (about 0.8 MB per engine by default). An
+engine's entries are dropped when it leaves the router's view or changes its block size
+(``Policy.forget``).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class Router:
             self._refresh_locked()
             now = self._fences.now()
             return RouterHealth(
-                policy=self._policy.name if isinstance(self._policy, Policy) else self._policy,
+                policy=self._policy_name,
                 engines=len(self._engines),
                 in_flight=sum(e.in_flight for e in self._engines.values()),
                 fenced=MappingProxyType(
@@ -289,9 +289,14 @@ class Router:
             )
 
     def __repr__(self) -> str:
-        name = self._policy.name if isinstance(self._policy, Policy) else self._policy.value
         engines = len(self._engines)
-        return f"<Router policy={name} selector={dict(self._selector)} engines={engines}>"
+        return (
+            f"<Router policy={self._policy_name} selector={dict(self._selector)} engines={engines}>"
+        )
+
+    @property
+    def _policy_name(self) -> str:
+        return self._policy.name if isinstance(self._policy, Policy) else self._policy.value
 
     # -- outcomes ----------------------------------------------------------------------
 

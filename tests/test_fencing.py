@@ -61,7 +61,7 @@ def fleet() -> Fleet:
 def test_consecutive_failures_fence_with_a_growing_backoff(fleet: Fleet, caplog) -> None:
     clock = Clock()
     router = Router(fleet.table, policy="round_robin", clock=clock, fence_max_seconds=30)
-    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+    with caplog.at_level(logging.WARNING, logger="discovery._fencing"):
         fail(router, "e001", 2)
         assert router.health().fenced == {}, "two failures in a row do not fence"
         assert router.health().failing == {"e001": 2}
@@ -145,7 +145,7 @@ def test_fencing_never_takes_more_than_the_share(fleet: Fleet, caplog) -> None:
     assert router.health().fence_limit == 2
     fail(router, "e000", 3)
     fail(router, "e001", 3)
-    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+    with caplog.at_level(logging.WARNING, logger="discovery._fencing"):
         fail(router, "e002", 5)  # past the limit: stays in rotation
     health = router.health()
     assert set(health.fenced) == {"e000", "e001"}

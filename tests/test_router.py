@@ -733,7 +733,7 @@ def test_explicit_first_prefix_block_hashes_the_smallest_block(caplog) -> None:
     fleet.add("b", 1, kv_cache_block_size=32)
     router = Router(fleet.table, policy="first_prefix_block")
     rng = random.Random(2)
-    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+    with caplog.at_level(logging.WARNING, logger="discovery._policies"):
         for _ in range(20):
             first = tokens(rng, 16)
             assert len(set(picks(router, first + tokens(rng, 40), 3))) == 1
@@ -921,15 +921,21 @@ def test_independent_routers_agree_on_the_first_choice(settings: Settings) -> No
             reg.close()
 
 
-def test_docs_example_runs(settings: Settings, monkeypatch, capsys) -> None:
-    """The example in docs/routing.md runs as written against etcd."""
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
-    assert blocks, "docs/routing.md has no python example"
+DOCS_BLOCKS = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
+DOCS_OUTPUT = ["engine-a first_prefix_block", "engine-b prefer_zone"]  # one per example
+
+
+def test_docs_examples_are_all_checked() -> None:
+    assert len(DOCS_BLOCKS) == len(DOCS_OUTPUT), "docs/routing.md: examples and checks differ"
+
+
+@pytest.mark.parametrize(("block", "expected"), list(zip(DOCS_BLOCKS, DOCS_OUTPUT, strict=False)))
+def test_docs_example_runs(block: str, expected: str, settings: Settings, monkeypatch, capsys):
+    """Each example in docs/routing.md runs as written against etcd."""
     for name in list(os.environ):
         if name.startswith("DISCOVERY_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("DISCOVERY_ETCD_ENDPOINTS", ",".join(settings.endpoints))
     monkeypatch.setenv("DISCOVERY_NAMESPACE", settings.namespace)
-    exec(compile(blocks[0], str(DOCS), "exec"), {"__name__": "__docs__"})
-    out = capsys.readouterr().out
-    assert "engine-a first_prefix_block" in out
+    exec(compile(block, str(DOCS), "exec"), {"__name__": "__docs__"})
+    assert expected in capsys.readouterr().out
