@@ -71,7 +71,8 @@ class FenceBook:
         self._after = after
         self._seconds = float(seconds)
         self._max_seconds = float(max_seconds)
-        self._max_share = float(max_share)
+        self.max_share = float(max_share)
+        """The share of the engines that may be fenced at once."""
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self.fenced: dict[str, float] = {}
@@ -84,7 +85,7 @@ class FenceBook:
 
     def limit(self, engines: int) -> int:
         """How many of ``engines`` may be fenced at once."""
-        return math.floor(self._max_share * engines)
+        return math.floor(self.max_share * engines)
 
     def failures(self) -> dict[str, int]:
         """Consecutive failures of every engine that has any."""
@@ -105,7 +106,7 @@ class FenceBook:
                     state.failures,
                     len(self.fenced),
                     engines,
-                    self._max_share,
+                    self.max_share,
                 )
             return "limited"
         seconds = min(self._seconds * 2**state.fences, self._max_seconds)

@@ -31,8 +31,9 @@ request; ``fence_after`` consecutive failures fence the engine for ``fence_secon
 doubled at each repeat without a success in between (up to ``fence_max_seconds``); a
 success resets the counts. A fenced engine is no candidate until its fence ends. At most
 ``max_fenced_share`` of the engines the router sees are fenced at once, and when more than
-that share of one pick's candidates are fenced (a narrow per-call selector), that pick
-ignores fencing (Envoy's panic mode). ``health()`` lists fenced and failing engines.
+that share of one pick's candidates (or all of them) are fenced, as can happen under a
+narrow per-call selector, that pick ignores fencing (Envoy's panic mode). ``health()``
+lists fenced and failing engines.
 """
 
 from __future__ import annotations
@@ -203,7 +204,6 @@ class Router:
             max_share=max_fenced_share,
             clock=clock,
         )
-        self._max_fenced_share = float(max_fenced_share)
         self._table = table
         self._metrics = metrics or NO_METRICS
         if metrics is not None:
@@ -396,7 +396,7 @@ class Router:
         if not fenced:
             return engines
         unfenced = tuple(e for e in engines if e.engine_id not in fenced)
-        if len(engines) - len(unfenced) <= self._max_fenced_share * len(engines):
+        if unfenced and len(engines) - len(unfenced) <= self._fences.max_share * len(engines):
             return unfenced
         self._warn_once(
             (key, frozenset(fenced)),
@@ -404,7 +404,7 @@ class Router:
             "routing over all of them until fences end",
             len(engines) - len(unfenced),
             len(engines),
-            self._max_fenced_share,
+            self._fences.max_share,
         )
         return engines
 

@@ -190,6 +190,14 @@ def test_a_pick_whose_candidates_are_mostly_fenced_ignores_fencing(caplog) -> No
     assert "2 of 2 candidate engines are fenced" in caplog.text
 
 
+def test_with_every_engine_fenced_picks_still_succeed(fleet: Fleet) -> None:
+    router = Router(fleet.table, policy="round_robin", clock=Clock(), max_fenced_share=1.0)
+    for engine_id in ("e000", "e001", "e002", "e003"):
+        fail(router, engine_id, 3)
+    assert len(router.health().fenced) == 4
+    assert set(picked(router)) == {"e000", "e001", "e002", "e003"}
+
+
 def test_fencing_options_are_checked_and_can_be_off(fleet: Fleet) -> None:
     for kwargs, message in (
         ({"fence_after": 0}, "fence_after must be >= 1"),
