@@ -20,14 +20,15 @@ request is routed by the real ``Router``.
   (``max_tokens``, all generated): lognormal, median 200, sigma 0.8, clipped to [8, 1024].
 
 **Engines**: 8 or 64, each with 32 slots (``max_num_seqs``), 256-token KV blocks and a
-prefix cache of 1024 blocks (262,144 tokens; LRU over chained block hashes). A request
-holds its pick handle from arrival to completion, so the router's in-flight count is
-queued + running. An engine runs up to 32 requests at once and queues the rest (FIFO). At
-admission, the longest run of the prompt's leading blocks found in the cache is a hit; the
-prompt's blocks are then cached, and on completion the blocks of prompt + answer (what the
-next turn extends). Service time: ``0.05 s + 0.4 ms x uncached prompt tokens + 20 ms x
-answer tokens``. Conversations arrive at the rate that keeps ``load`` (0.9) of the
-fleet's slots busy if nothing were cached (Monte Carlo over the workload's distributions).
+prefix cache of 1024 blocks (``--cache-blocks``; 262,144 tokens; LRU over chained block
+hashes). A request holds its pick handle from arrival to completion, so the router's
+in-flight count is queued + running. An engine runs up to 32 requests at once and queues the
+rest (FIFO). At admission, the longest run of the prompt's leading blocks found in the
+cache is a hit; the prompt's blocks are then cached, and on completion the blocks of
+prompt + answer (what the next turn extends). Service time: ``0.05 s + 0.4 ms x uncached
+prompt tokens + 20 ms x answer tokens``. Conversations arrive at the rate that keeps
+``load`` (0.9) of the fleet's slots busy if nothing were cached (Monte Carlo over the
+workload's distributions).
 
 **Figures** (after a warm-up of the first quarter of the simulated time): hit rate =
 prompt tokens found in the cache / prompt tokens; spread = max / mean in-flight over the
@@ -71,7 +72,7 @@ from discovery._policies import DEFAULT_LOAD_FACTOR
 
 BLOCK = 256
 SLOTS = 32
-CACHE_BLOCKS = 1024
+CACHE_BLOCKS = 1024  # default prefix cache per engine (--cache-blocks)
 CONTEXT = 32768
 TICK = 0.25  # seconds between spread samples
 START, ARRIVE, DONE, TICKS = range(4)  # event kinds: new conversation, next turn, done, sample
@@ -230,9 +231,10 @@ class Conversation:
 
 
 class Engine:
-    __slots__ = ("cache", "queue", "running")
+    __slots__ = ("cache", "capacity", "queue", "running")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.queue: deque[Request] = deque()
         self.running = 0
@@ -250,7 +252,7 @@ class Engine:
         for block_hash in hashes:
             cache[block_hash] = None
             cache.move_to_end(block_hash)
-        while len(cache) > CACHE_BLOCKS:
+        while len(cache) > self.capacity:
             cache.popitem(last=False)
 
 
@@ -267,12 +269,12 @@ def service_seconds(uncached: int, answer: int) -> float:
     return 0.05 + 0.0004 * uncached + 0.02 * answer
 
 
-def make_table(engines: int) -> RoutingTable:
+def make_table(engines: int, cache_blocks: int) -> RoutingTable:
     return memory_table(
         engines,
         context_length=CONTEXT,
         kv_cache_block_size=BLOCK,
-        total_kv_blocks=CACHE_BLOCKS,
+        total_kv_blocks=cache_blocks,
         max_num_seqs=SLOTS,
     )
 
@@ -289,12 +291,16 @@ class Outcome:
 
 
 def simulate(
-    engines: int, make_router: Callable[[RoutingTable], Router], work: Workload, seed: int
+    engines: int,
+    make_router: Callable[[RoutingTable], Router],
+    work: Workload,
+    seed: int,
+    cache_blocks: int = CACHE_BLOCKS,
 ) -> Outcome:
     started = time.process_time()
     rng = random.Random(seed)
-    router = make_router(make_table(engines))
-    sims = {f"engine-{i:03d}": Engine() for i in range(engines)}
+    router = make_router(make_table(engines, cache_blocks))
+    sims = {f"engine-{i:03d}": Engine(cache_blocks) for i in range(engines)}
 
     systems = [list(segment(rng, rng.randint(1024, 4096))) for _ in range(work.systems)]
     system_hashes = []
@@ -416,10 +422,10 @@ def rows(factors: Sequence[float]) -> dict[str, Callable[[RoutingTable], Router]
     return made
 
 
-def run_cell(cell: tuple[str, int, str, Workload, Sequence[float], int]) -> Outcome:
+def run_cell(cell: tuple[str, int, str, Workload, Sequence[float], int, int]) -> Outcome:
     """One (workload, engines, row): a process-pool task, so it rebuilds its router here."""
-    _, engines, row, work, factors, seed = cell
-    return simulate(engines, rows(factors)[row], work, seed)
+    _, engines, row, work, factors, seed, cache_blocks = cell
+    return simulate(engines, rows(factors)[row], work, seed, cache_blocks)
 
 
 def verdicts(results: dict[tuple[str, int, str], Outcome]) -> list[str]:
@@ -454,6 +460,8 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--load", type=float, default=Workload.load, help="offered load")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
+    parser.add_argument("--cache-blocks", type=int, default=CACHE_BLOCKS, help="per engine")
+    parser.add_argument("--no-results", action="store_true", help="leave RESULTS.md alone")
     args = parser.parse_args()
     factors = tuple(float(c) for c in args.factors.split(",") if c)
     seconds = 60.0 if args.quick else Workload.seconds
@@ -465,6 +473,7 @@ def main() -> None:
             replace(WORKLOADS[label], load=args.load, seconds=seconds),
             factors,
             args.seed,
+            args.cache_blocks,
         )
         for label in args.workloads.split(",")
         for engines in (int(n) for n in args.sizes.split(","))
@@ -506,12 +515,12 @@ def main() -> None:
             "",
             *verdicts(results),
             f"wall time {time.perf_counter() - wall:.0f} s in {args.jobs} processes, CPU time "
-            f"{cpu:.0f} s; seed {args.seed}, load {args.load}, "
-            f"{seconds:.0f} s simulated",
+            f"{cpu:.0f} s; seed {args.seed}, load {args.load}, {seconds:.0f} s simulated, "
+            f"caches of {args.cache_blocks} blocks",
         ]
     )
     print(body)
-    if not args.quick:
+    if not (args.quick or args.no_results):
         append_results("bench_routing_quality.py", body, notes=NOTES)
 
 

@@ -441,8 +441,8 @@ def test_longest_prefix_hit_rate_beats_round_robin_on_shared_system_prompts() ->
     print("\nprefix-cache hit rate, 8 engines, 48 shared system prompts (ceiling 0.667):")
     for policy, rate in rates.items():
         print(f"  {policy:<20} {rate:.3f}")
-    # Measured: round robin 0.32, load balanced 0.32, first block 0.62, longest prefix 0.55
-    # (below first block because the load-gap fallback spreads the hottest prompts).
+    # Measured: round robin 0.32, load balanced 0.32, first block 0.53 (0.62 without the
+    # load bound, which spreads the hottest prompts), longest prefix 0.54.
     assert rates["longest_prefix"] >= 0.45
     assert rates["longest_prefix"] >= rates["round_robin"] + 0.15
     assert rates["longest_prefix"] >= rates["load_balanced"] + 0.15
