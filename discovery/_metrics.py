@@ -94,6 +94,10 @@ class MetricsHooks(Protocol):
         """A pick found no engine."""
         return None
 
+    def request_failed(self, outcome: str) -> None:
+        """A routed request failed; what fencing did: ``fenced``, ``limited`` or ``""``."""
+        return None
+
     def observe_router(self, router: Any) -> None:
         """Read ``router``'s in-flight requests at scrape time."""
         return None
@@ -208,6 +212,16 @@ class Metrics(MetricsHooks):
         self._no_fit = counter(
             "discovery_router_no_engine_total", "Picks that found no engine passing the filters."
         )
+        self._failed = counter(
+            "discovery_router_failed_requests_total", "Handles released with failed=True."
+        )
+        self._fences = counter(
+            "discovery_router_fences_total", "Engines fenced after consecutive failed requests."
+        )
+        self._fence_limited = counter(
+            "discovery_router_fence_limited_total",
+            "Failed requests whose engine stayed in rotation: max_fenced_share was reached.",
+        )
         registry.register(_LiveCollector(self))
 
     # -- registration ------------------------------------------------------------------
@@ -290,8 +304,16 @@ class Metrics(MetricsHooks):
         """Count a pick that found no engine."""
         self._no_fit.inc()
 
+    def request_failed(self, outcome: str) -> None:
+        """Count a failed request and what it did: ``fenced``, ``limited`` or nothing."""
+        self._failed.inc()
+        if outcome == "fenced":
+            self._fences.inc()
+        elif outcome == "limited":
+            self._fence_limited.inc()
+
     def observe_router(self, router: Any) -> None:
-        """Export ``router``'s in-flight requests per engine at scrape time."""
+        """Export ``router``'s in-flight requests and fenced engines at scrape time."""
         self._routers.add(router)
 
     def observe_table(self, table: Any) -> None:
@@ -336,10 +358,21 @@ class _LiveCollector:
             "Unreleased pick handles per engine.",
             labels=["engine_id"],
         )
+        fenced = GaugeMetricFamily(
+            "discovery_router_fenced_seconds",
+            "Seconds until a fenced engine's fence ends (fenced engines only).",
+            labels=["engine_id"],
+        )
         totals: dict[str, int] = {}
+        fences: dict[str, float] = {}
         for router in list(metrics._routers):
             for engine_id, count in router.in_flight().items():
                 totals[engine_id] = totals.get(engine_id, 0) + count
+            for engine_id, seconds in router.health().fenced.items():
+                fences[engine_id] = max(fences.get(engine_id, 0.0), seconds)
         for engine_id, count in sorted(totals.items()):
             in_flight.add_metric([engine_id], count)
         yield in_flight
+        for engine_id, seconds in sorted(fences.items()):
+            fenced.add_metric([engine_id], seconds)
+        yield fenced

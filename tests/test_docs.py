@@ -60,8 +60,18 @@ INTENDED = {
     "ListedEngine",
     "RoutingSnapshot",
     "Router",
+    "RouterHealth",
     "RoutingPolicy",
     "PickHandle",
+    # routing policies: the protocol, what it sees, the built-in classes
+    "Policy",
+    "Candidate",
+    "PickRequest",
+    "Choice",
+    "RoundRobinPolicy",
+    "LoadBalancedPolicy",
+    "FirstPrefixBlockPolicy",
+    "LongestPrefixPolicy",
     # errors
     "DiscoveryError",
     "ConfigurationError",
