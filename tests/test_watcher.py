@@ -25,6 +25,7 @@ from discovery import (
 )
 from discovery._codec import EngineRecord, encode
 
+from .containers import both_etcds
 from .helpers import make_endpoint, wait_for
 
 
@@ -290,6 +291,7 @@ def _writes_survive(settings: Settings, fault: Callable[[], Callable[[], None]])
     return health
 
 
+@both_etcds
 def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
     settings = Settings(endpoints=etcd.endpoints, namespace="restart", dial_timeout=10)
 
