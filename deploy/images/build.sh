@@ -25,9 +25,10 @@ mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0}
 
 say() { echo "build-images: $*"; }
-# docker build, its output kept for a failure only.
+# docker build without network (everything it needs is in its context); output kept
+# for a failure only.
 build() {
-    docker build "$@" >"$stage/build.log" 2>&1 || {
+    docker build --network none "$@" >"$stage/build.log" 2>&1 || {
         tail -n 30 "$stage/build.log" >&2
         die "docker build $* failed"
     }
