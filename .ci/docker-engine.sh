@@ -64,13 +64,17 @@ _engine_install() {
     fi
     _engine "installing ${packages[*]}"
     # policy-rc.d keeps the package from starting a system-wide dockerd.
+    local log
+    log=$(mktemp /tmp/ci-docker-apt.XXXXXX)
     if ! { apt-get update -qq &&
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            "${packages[@]}"; } >/tmp/ci-docker-apt.log 2>&1; then
-        tail -n 20 /tmp/ci-docker-apt.log >&2
+            "${packages[@]}"; } >"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        rm -f "$log"
         _engine "installing ${packages[*]} failed"
         return 1
     fi
+    rm -f "$log"
     command -v dockerd >/dev/null || {
         _engine "docker.io installed no dockerd"
         return 1
