@@ -40,6 +40,7 @@ import etcd3
 import etcd3.exceptions as etcd3_exc
 import grpc
 from etcd3 import etcdrpc
+from etcd3.client import EtcdTokenCallCredentials
 from etcd3.utils import prefix_range_end
 from tenacity import (
     RetryCallState,
@@ -206,7 +207,42 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
     benched, so a single-member client is unusable after any blip. Here a failed
     member is avoided while others are healthy; when all are benched, the one benched
     longest ago is tried at once.
+
+    Upstream also authenticates with one member chosen at random and no failover: a
+    member that does not answer (a name that does not resolve) failed the whole client.
+    Here a member that fails to answer is benched and the next one tried.
     """
+
+    call_credentials: grpc.CallCredentials | None  # None on a plaintext channel
+
+    def __init__(
+        self,
+        *,
+        endpoints: list[etcd3.Endpoint],
+        timeout: float,
+        user: str | None,
+        password: str | None,
+    ) -> None:
+        super().__init__(endpoints=endpoints, timeout=timeout, failover=True)
+        if user is not None and password is not None:
+            self._authenticate(etcdrpc.AuthenticateRequest(name=user, password=password))
+
+    def _authenticate(self, request: Any) -> None:
+        last = len(self.endpoints) - 1
+        for attempt in range(last + 1):
+            try:
+                response = self.authstub.Authenticate(request, self.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() not in _MEMBER_FAILURE_CODES or attempt == last:
+                    raise
+                self.endpoint_in_use.fail()  # benched: the next try goes to another member
+                self._clear_old_stubs()
+                continue
+            self.metadata = (("token", response.token),)
+            self.call_credentials = grpc.metadata_call_credentials(
+                EtcdTokenCallCredentials(response.token)
+            )
+            return
 
     @property
     def channel(self) -> grpc.Channel:
@@ -280,7 +316,6 @@ class Connection:
                 timeout=s.request_timeout,
                 user=s.username,
                 password=s.read_password(),  # a rotated password file is read again
-                failover=True,
             )
         except BaseException:
             for member in members:

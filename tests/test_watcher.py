@@ -26,6 +26,7 @@ from discovery import (
 )
 from discovery._codec import EngineRecord, encode
 
+from .containers import both_etcds
 from .helpers import make_endpoint, raw_call, wait_for
 
 
@@ -291,6 +292,7 @@ def _writes_survive(settings: Settings, fault: Callable[[], Callable[[], None]])
     return health
 
 
+@both_etcds
 def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
     settings = Settings(endpoints=etcd.endpoints, namespace="restart", dial_timeout=10)
 
