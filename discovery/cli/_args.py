@@ -49,15 +49,24 @@ _SETTINGS_FLAGS = {
         "file holding the etcd password ($DISCOVERY_ETCD_PASSWORD_FILE; "
         "or $DISCOVERY_ETCD_PASSWORD). Never given as a flag, so it stays out of ps.",
     ),
+    "allow_insecure_auth": (
+        "--allow-insecure-auth",
+        "send the etcd password over http:// endpoints, unencrypted "
+        "($DISCOVERY_ALLOW_INSECURE_AUTH; refused without it)",
+    ),
 }
 _FLOAT_SETTINGS = ("dial_timeout", "request_timeout")
+_SWITCH_SETTINGS = ("allow_insecure_auth",)
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """The etcd settings flags, and the logging flags every command takes."""
     group = parser.add_argument_group("etcd settings (flags win over DISCOVERY_* variables)")
     for name, (flag, text) in _SETTINGS_FLAGS.items():
-        group.add_argument(flag, help=text, type=float if name in _FLOAT_SETTINGS else str)
+        if name in _SWITCH_SETTINGS:  # absent: None, so $DISCOVERY_* decides
+            group.add_argument(flag, help=text, action="store_true", default=None)
+        else:
+            group.add_argument(flag, help=text, type=float if name in _FLOAT_SETTINGS else str)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
 
@@ -76,7 +85,9 @@ def settings_argv(settings: Settings) -> list[str]:
     argv = []
     for name, (flag, _) in _SETTINGS_FLAGS.items():
         value = getattr(settings, name)
-        if value is not None:
+        if name in _SWITCH_SETTINGS:
+            argv += [flag] if value else []
+        elif value is not None:
             argv += [flag, ",".join(value) if name == "endpoints" else str(value)]
     return argv
 
