@@ -127,6 +127,7 @@ def test_bad_input_exits_2_with_a_clear_message(settings: Settings, tmp_path) ->
             "engine id",
         ),
         (["watch", "--selector", "novalue"], "key=value"),
+        (["list", "--log-level", "loud"], "'loud' is not a logging level"),
     ]
     (tmp_path / "e.json").write_text(json.dumps(make_endpoint().to_dict()))
     for args, message in cases:

@@ -430,3 +430,58 @@ def test_no_password_crosses_a_plaintext_connection_without_the_opt_in(
         assert len(warnings) == 1 and "WARNING" in warnings[0], allowed.stderr
         assert wire.endpoint in warnings[0]
         assert SECRET not in allowed.stderr + allowed.stdout
+
+
+# -- JSON logs stay JSON, gRPC's own lines included (issue 18) ---------------------------
+
+
+def test_json_log_format_keeps_every_stderr_line_json_when_tls_fails(
+    etcd_tls: EtcdCluster, pki: Pki, tmp_path: Path
+) -> None:
+    endpoint_file = tmp_path / "engine.json"
+    endpoint_file.write_text(json.dumps(make_endpoint().to_dict()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISCOVERY_", "GRPC_"))}
+    command = [
+        sys.executable, "-m", "discovery", "register", "--endpoint-file", str(endpoint_file),
+        "--endpoints", etcd_tls.endpoints[0], "--ca-cert", str(pki.other_ca),
+        "--cert", str(pki.client_cert), "--key", str(pki.client_key), "--dial-timeout", "1",
+    ]  # fmt: skip
+
+    def run(log_format: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--log-format", log_format],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    result = run("json")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    not_json = [line for line in lines if not _is_json_object(line)]
+    assert lines and not not_json, not_json
+    records = [json.loads(line) for line in lines]
+    assert all(set(r) >= {"time", "level", "logger", "message"} for r in records), records
+    # Our own warning about the failure is there...
+    assert any(
+        r["level"] == "WARNING"
+        and r["logger"] == "discovery._connection"
+        and "CERTIFICATE_VERIFY_FAILED" in r["message"]
+        for r in records
+    ), records
+    # ...and so is gRPC's C-core line (grpcio 1.85 logs every failed handshake): routed.
+    assert any(r["logger"] == "stderr" and "Handshake failed" in r["message"] for r in records)
+    assert records[-1]["level"] == "ERROR" and records[-1]["logger"] == "discovery.cli"
+    assert records[-1]["message"].startswith("discovery register: etcd unavailable at https://")
+
+    text = run("text")  # text mode as it always was: the last line plain
+    assert text.returncode == 1
+    assert text.stderr.splitlines()[-1].startswith("discovery register: etcd unavailable at")
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
