@@ -1,13 +1,16 @@
 """Connection settings: from keyword arguments or ``DISCOVERY_*`` environment variables.
 
 Building a Settings object checks everything that can be checked without a network:
-URLs, TLS files, credential pairs, timeouts. It never opens a connection.
+URLs, TLS files, credential pairs, timeouts, and that a password would not cross a
+plaintext connection unless asked for. It never opens a connection.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -17,6 +20,8 @@ from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, KeySpace
 from ._errors import ConfigurationError, InvalidRecordError
 
 __all__ = ["ENV_PREFIX", "Settings"]
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "DISCOVERY_"
 DEFAULT_ENDPOINT = "http://127.0.0.1:2379"
@@ -34,7 +39,12 @@ _ENV_NAMES = {
     "username": "ETCD_USERNAME",
     "password": "ETCD_PASSWORD",
     "password_file": "ETCD_PASSWORD_FILE",
+    "allow_insecure_auth": "ALLOW_INSECURE_AUTH",
 }
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+# Set once the opt-in to credentials over http:// has been logged: one warning per process.
+_insecure_auth_warned = threading.Event()
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -48,6 +58,10 @@ class Settings:
     an unreachable cluster; ``request_timeout`` bounds each RPC. ``password_file`` is an
     alternative to ``password``: the file is read again every time the client
     authenticates, so a rotated secret is picked up without a restart.
+
+    A username with ``http://`` endpoints is refused: etcd's Authenticate call would
+    carry the password in clear. ``allow_insecure_auth=True`` accepts that (a local
+    test etcd, say) and logs one warning per process.
     """
 
     endpoints: Sequence[str] = (DEFAULT_ENDPOINT,)
@@ -61,6 +75,7 @@ class Settings:
     username: str | None = None
     password: str | None = None
     password_file: str | None = None
+    allow_insecure_auth: bool = False
 
     def __post_init__(self) -> None:
         """Normalise and check every field; raise ConfigurationError on the first problem."""
@@ -100,6 +115,7 @@ class Settings:
             raise ConfigurationError("username and password must be given together")
         if self.username == "":
             raise ConfigurationError("username must not be empty")
+        self._check_auth_channel(tls=secure == {True})
         self.read_password()  # an unreadable password file fails now, not at first use
 
     def _check_tls(self, *, tls: bool) -> None:
@@ -115,6 +131,28 @@ class Settings:
                 raise ConfigurationError(f"{name}: file {path!r} does not exist")
         if (self.cert is None) != (self.key is None):
             raise ConfigurationError("cert and key must be given together (client certificate)")
+
+    def _check_auth_channel(self, *, tls: bool) -> None:
+        if not isinstance(self.allow_insecure_auth, bool):
+            raise ConfigurationError("allow_insecure_auth must be True or False")
+        if self.username is None or tls:
+            return
+        endpoints = ", ".join(self.endpoints)
+        if not self.allow_insecure_auth:
+            raise ConfigurationError(
+                f"refusing to send the password of etcd user {self.username!r} unencrypted "
+                f"to {endpoints}: use https:// endpoints, or accept the risk with "
+                f"allow_insecure_auth ({ENV_PREFIX}{_ENV_NAMES['allow_insecure_auth']}=1, "
+                "--allow-insecure-auth)"
+            )
+        if not _insecure_auth_warned.is_set():
+            _insecure_auth_warned.set()
+            log.warning(
+                "allow_insecure_auth: the password of etcd user %r crosses the network "
+                "unencrypted to %s; use https:// endpoints outside tests",
+                self.username,
+                endpoints,
+            )
 
     def read_password(self) -> str | None:
         """The password: ``password``, or the current content of ``password_file``."""
@@ -157,7 +195,7 @@ class Settings:
             raw = env.get(ENV_PREFIX + suffix)
             if raw is None or raw == "":
                 continue
-            values[name] = _parse_env_number(suffix, raw) if name.endswith("timeout") else raw
+            values[name] = _parse_env(name, suffix, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "password" in values:
             values.pop("password_file", None)
@@ -206,7 +244,15 @@ def _parse_endpoint(text: str) -> str:
     return f"{parts.scheme}://{host}:{port or 2379}"
 
 
-def _parse_env_number(suffix: str, raw: str) -> float:
+def _parse_env(name: str, suffix: str, raw: str) -> str | float | bool:
+    if name == "allow_insecure_auth":
+        if raw.strip().lower() in _TRUE + _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise ConfigurationError(
+            f"{ENV_PREFIX}{suffix}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)"
+        )
+    if not name.endswith("timeout"):
+        return raw
     try:
         return float(raw)
     except ValueError:

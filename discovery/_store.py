@@ -137,7 +137,8 @@ class EngineStore:
         """Take a whole listing read at ``revision``: deliver exactly the difference.
 
         Engines missing from ``entries`` are ``removed``, new ones ``added``, ones
-        written since (another mod revision) ``updated``. Returns the batch.
+        written since (another mod revision) ``updated``. The store is then current at
+        ``revision``, also when the listing is empty. Returns the batch.
         """
         with self._cond:
             old = self._entries

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -273,3 +275,79 @@ class WatchLog:
 
     def stop(self) -> None:
         self.watcher.stop()
+
+
+class TcpForwarder:
+    """A TCP relay from a local port to ``target`` that records what crosses the wire.
+
+    What a sniffer between the client and etcd would see: ``sent()`` is every byte the
+    clients sent towards ``target``, ``connections`` how many connections were made.
+    ``close()`` (or leaving the ``with`` block) ends every connection and thread.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.connections = 0
+        self._closed = False
+        self._sent = bytearray()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = [self._listener]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def sent(self) -> bytes:
+        with self._lock:
+            return bytes(self._sent)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self._target)
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    upstream.close()
+                    return
+                self.connections += 1
+                self._sockets += [client, upstream]
+                pumps = [
+                    threading.Thread(target=self._pump, args=args, daemon=True)
+                    for args in ((client, upstream, True), (upstream, client, False))
+                ]
+                self._threads += pumps
+            for pump in pumps:
+                pump.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, record: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if record:
+                    with self._lock:
+                        self._sent += data
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # a side closed: the other pump ends too
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sockets, threads = list(self._sockets), list(self._threads)
+        for sock in sockets:
+            with contextlib.suppress(OSError):  # already closed by its peer
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() or recv()
+            sock.close()
+        for thread in threads:
+            thread.join(10)
+        assert not any(t.is_alive() for t in threads), "forwarder thread left running"
+
+    def __enter__(self) -> TcpForwarder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from discovery import Settings, register_engine
 from discovery._codec import EngineRecord
+from discovery.cli import build_parser
+from discovery.cli._args import settings_argv, settings_from_args
 
 from .helpers import Registrar, cli_env, get_kv, make_endpoint, run_cli, wait_for
 
@@ -122,6 +127,7 @@ def test_bad_input_exits_2_with_a_clear_message(settings: Settings, tmp_path) ->
             "engine id",
         ),
         (["watch", "--selector", "novalue"], "key=value"),
+        (["list", "--log-level", "loud"], "'loud' is not a logging level"),
     ]
     (tmp_path / "e.json").write_text(json.dumps(make_endpoint().to_dict()))
     for args, message in cases:
@@ -205,3 +211,27 @@ def test_signals_stop_the_cli_whichever_thread_receives_them(settings: Settings)
                 watch.kill()
                 watch.wait()
                 watch.stdout.close()
+
+
+@pytest.mark.parametrize("allow_insecure_auth", [True, False])
+def test_settings_flags_give_back_the_settings(
+    allow_insecure_auth: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the demo hands its engine processes: every setting but the password itself."""
+    for name in [k for k in os.environ if k.startswith("DISCOVERY_")]:
+        monkeypatch.delenv(name)
+    password_file = tmp_path / "password"
+    password_file.write_text("pw")
+    settings = Settings(
+        endpoints="http://a:1,http://b:2",
+        root="/r",
+        namespace="ns",
+        dial_timeout=2.5,
+        request_timeout=1.5,
+        username="u" if allow_insecure_auth else None,
+        password_file=str(password_file) if allow_insecure_auth else None,
+        allow_insecure_auth=allow_insecure_auth,
+    )
+    argv = settings_argv(settings)
+    assert ("--allow-insecure-auth" in argv) is allow_insecure_auth
+    assert settings_from_args(build_parser().parse_args(["list", *argv])) == settings

@@ -38,7 +38,7 @@ import pytest
 import yaml
 from kubernetes_validate import SchemaNotFoundError, ValidationError
 
-from discovery import InferenceEngineEndpoint
+from discovery import ConfigurationError, InferenceEngineEndpoint, Settings
 from discovery._codec import validate_engine_id, validate_labels
 from discovery._settings import env_names
 from discovery.cli import build_parser
@@ -1091,3 +1091,15 @@ def test_etcdctl_variables_in_deploy_are_accepted_by_etcdctl():
     assert {"ENDPOINTS", "CACERT", "CERT", "KEY", "USER", "PASSWORD"} <= used
     unknown = {n for n in used if n.lower().replace("_", "-") not in flags}
     assert not unknown, f"etcdctl has no flag for ETCDCTL_{sorted(unknown)}"
+
+
+def test_troubleshooting_quotes_the_plaintext_refusal_as_raised():
+    row = next(
+        line
+        for line in (DEPLOY / "README.md").read_text().splitlines()
+        if line.startswith("| `refusing to send the password")
+    )
+    quoted = re.search(r"`([^`]*)`", row).group(1)
+    with pytest.raises(ConfigurationError) as refused:
+        Settings(endpoints="http://etcd:2379", username="engine-default", password="pw")
+    assert re.match(".*".join(map(re.escape, quoted.split("..."))), str(refused.value))

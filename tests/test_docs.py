@@ -140,3 +140,14 @@ def test_readme_examples_run(index: int, settings: Settings) -> None:
     assert returncode == 0, err
     if "router.pick" in _python_blocks(README)[index]:
         assert "send to tcp://" in out
+
+
+def test_readme_watch_example_on_an_empty_namespace_prints_a_real_revision(
+    settings: Settings,
+) -> None:
+    """README says "N engines at revision R": with no engine, R is still the real revision."""
+    (example,) = [b for b in _python_blocks(README) if "engines at revision" in b]
+    returncode, out, err = run_python(example, cli_env(settings))
+    assert returncode == 0, err
+    count, revision = re.search(r"^(\d+) engines at revision (\d+)$", out, re.M).groups()
+    assert count == "0" and int(revision) > 0, out

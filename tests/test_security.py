@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from discovery import (
+    ConfigurationError,
     EndpointWatcher,
     EtcdUnavailableError,
     PermissionDeniedError,
@@ -29,7 +32,7 @@ from discovery import (
 from discovery.embedded import EtcdCluster, ServerTLS
 
 from .conftest import _checked_cluster
-from .helpers import cli_env, make_endpoint, wait_for
+from .helpers import TcpForwarder, cli_env, make_endpoint, wait_for
 
 SECRET = "s3cr3t-Marker-7f1c"  # a password no log, repr or message may ever show
 
@@ -207,6 +210,7 @@ def _token_expiry(metadata) -> float:
 
 
 def _auth_settings(cluster: EtcdCluster, user: str | None, namespace: str = "a", **kw) -> Settings:
+    """Credentials for ``user`` on the plaintext test etcd: opted in to, explicitly."""
     password = SECRET if user else None
     return Settings(
         endpoints=cluster.endpoints,
@@ -214,6 +218,7 @@ def _auth_settings(cluster: EtcdCluster, user: str | None, namespace: str = "a",
         username=user,
         password=password,
         dial_timeout=kw.pop("dial_timeout", 3),
+        allow_insecure_auth=True,
         **kw,
     )
 
@@ -260,6 +265,7 @@ def test_unauthenticated_or_wrong_password_is_refused_clearly(etcd_auth: EtcdClu
         dial_timeout=3,
         username=user,
         password="not-it" if user else None,
+        allow_insecure_auth=True,
     )
     started = time.monotonic()
     with pytest.raises(PermissionDeniedError) as caught:
@@ -309,17 +315,30 @@ def test_no_secret_in_logs_reprs_errors_or_cli_output(
         texts += [repr(reg), repr(reg.health())]
     for bad in (
         _auth_settings(etcd_auth, "engine-a", namespace="b"),
-        Settings(endpoints=etcd_auth.endpoints, username="engine-a", password=SECRET + "x"),
-        Settings(endpoints=["http://127.0.0.1:9"], username="u", password=SECRET, dial_timeout=0.5),
+        dataclasses.replace(_auth_settings(etcd_auth, "engine-a"), password=SECRET + "x"),
+        Settings(
+            endpoints=["http://127.0.0.1:9"],
+            username="u",
+            password=SECRET,
+            dial_timeout=0.5,
+            allow_insecure_auth=True,
+        ),
     ):
         with pytest.raises(Exception) as caught:
             register_engine(make_endpoint(), engine_id="x", settings=bad)
         texts.append(str(caught.value))
         texts.append(repr(caught.value))
+    with pytest.raises(ConfigurationError) as refused:  # plaintext without the opt-in
+        Settings(endpoints=etcd_auth.endpoints, username="engine-a", password=SECRET)
+    texts += [str(refused.value), repr(refused.value)]
     password_file = tmp_path / "password"
     password_file.write_text(SECRET + "\n")
     env = cli_env(Settings(endpoints=etcd_auth.endpoints, namespace="a"))
-    env.update(DISCOVERY_ETCD_USERNAME="engine-a", DISCOVERY_ETCD_PASSWORD_FILE=str(password_file))
+    env.update(
+        DISCOVERY_ETCD_USERNAME="engine-a",
+        DISCOVERY_ETCD_PASSWORD_FILE=str(password_file),
+        DISCOVERY_ALLOW_INSECURE_AUTH="1",
+    )
     for args in (
         ["list"],
         ["list", "--log-level", "DEBUG"],
@@ -352,6 +371,7 @@ def test_rotated_password_file_is_picked_up_without_a_restart(
         username="engine-a",
         password_file=str(password_file),
         dial_timeout=5,
+        allow_insecure_auth=True,
     )
     with register_engine(make_endpoint(), engine_id="rotating", ttl=5, settings=settings) as reg:
         new_password = SECRET + "-2"
@@ -371,3 +391,97 @@ def test_rotated_password_file_is_picked_up_without_a_restart(
         lease = reg.lease_id
     assert _ctl(etcd_auth, "get", "--prefix", "/inference/v1/a/engines/") == ""  # revoked
     assert f"{lease:016x}" not in _ctl(etcd_auth, "lease", "list")
+
+
+# -- no password over a plaintext connection (issue 18) ----------------------------------
+
+
+def test_no_password_crosses_a_plaintext_connection_without_the_opt_in(
+    etcd_auth: EtcdCluster, tmp_path: Path
+) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_text(SECRET + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
+    port = int(etcd_auth.endpoints[0].rsplit(":", 1)[1])
+    with TcpForwarder(("127.0.0.1", port)) as wire:
+        command = [
+            sys.executable, "-m", "discovery", "list",
+            "--endpoints", wire.endpoint, "--namespace", "a", "--dial-timeout", "3",
+            "--username", "engine-a", "--password-file", str(password_file),
+        ]  # fmt: skip
+
+        def run(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*command, *extra], env=env, capture_output=True, text=True, timeout=30
+            )
+
+        refused = run()
+        assert refused.returncode == 2, refused.stderr
+        assert wire.endpoint in refused.stderr and "--allow-insecure-auth" in refused.stderr
+        assert wire.connections == 0  # refused before connecting: nothing crossed the wire
+        assert SECRET not in refused.stderr + refused.stdout
+
+        allowed = run("--allow-insecure-auth")
+        assert allowed.returncode == 0, allowed.stderr
+        assert "(0 engines)" in allowed.stdout
+        # The forwarder does see a password sent in clear, so the refusal above is proven.
+        assert wire.connections > 0 and SECRET.encode() in wire.sent()
+        warnings = [line for line in allowed.stderr.splitlines() if "allow_insecure_auth" in line]
+        assert len(warnings) == 1 and "WARNING" in warnings[0], allowed.stderr
+        assert wire.endpoint in warnings[0]
+        assert SECRET not in allowed.stderr + allowed.stdout
+
+
+# -- JSON logs stay JSON, gRPC's own lines included (issue 18) ---------------------------
+
+
+def test_json_log_format_keeps_every_stderr_line_json_when_tls_fails(
+    etcd_tls: EtcdCluster, pki: Pki, tmp_path: Path
+) -> None:
+    endpoint_file = tmp_path / "engine.json"
+    endpoint_file.write_text(json.dumps(make_endpoint().to_dict()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISCOVERY_", "GRPC_"))}
+    command = [
+        sys.executable, "-m", "discovery", "register", "--endpoint-file", str(endpoint_file),
+        "--endpoints", etcd_tls.endpoints[0], "--ca-cert", str(pki.other_ca),
+        "--cert", str(pki.client_cert), "--key", str(pki.client_key), "--dial-timeout", "1",
+    ]  # fmt: skip
+
+    def run(log_format: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--log-format", log_format],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    result = run("json")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    not_json = [line for line in lines if not _is_json_object(line)]
+    assert lines and not not_json, not_json
+    records = [json.loads(line) for line in lines]
+    assert all(set(r) >= {"time", "level", "logger", "message"} for r in records), records
+    # Our own warning about the failure is there...
+    assert any(
+        r["level"] == "WARNING"
+        and r["logger"] == "discovery._connection"
+        and "CERTIFICATE_VERIFY_FAILED" in r["message"]
+        for r in records
+    ), records
+    # ...and so is gRPC's C-core line (grpcio 1.85 logs every failed handshake): routed.
+    assert any(r["logger"] == "stderr" and "Handshake failed" in r["message"] for r in records)
+    assert records[-1]["level"] == "ERROR" and records[-1]["logger"] == "discovery.cli"
+    assert records[-1]["message"].startswith("discovery register: etcd unavailable at https://")
+
+    text = run("text")  # text mode as it always was: the last line plain
+    assert text.returncode == 1
+    assert text.stderr.splitlines()[-1].startswith("discovery register: etcd unavailable at")
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import pytest
 
 from discovery import ConfigurationError, KeySpace, Settings
 from discovery._settings import env_names
+
+from .helpers import run_python
 
 PASSWORD = "Pw-marker-7f3a9c-do-not-leak"
 HTTPS = "https://etcd-0.example:2379"
@@ -226,8 +229,57 @@ def test_client_cert_and_key_must_be_given_together(only: str, tls_files: dict[s
 
 
 def test_username_and_password() -> None:
-    settings = Settings(username="root", password=PASSWORD)
+    settings = Settings(endpoints=HTTPS, username="root", password=PASSWORD)
     assert (settings.username, settings.password) == ("root", PASSWORD)
+
+
+@pytest.mark.parametrize("secret", ["password", "password_file"])
+def test_credentials_over_plaintext_are_refused_naming_the_endpoints(
+    secret: str, tmp_path: Path
+) -> None:
+    """etcd's Authenticate call would carry the password in clear (issue 18)."""
+    (tmp_path / "pw").write_text(PASSWORD)
+    value = PASSWORD if secret == "password" else str(tmp_path / "pw")
+    endpoints = "http://etcd-0:2379,etcd-1:2379"
+    with pytest.raises(ConfigurationError) as info:
+        Settings(endpoints=endpoints, username="root", **{secret: value})
+    message = str(info.value)
+    assert "http://etcd-0:2379, http://etcd-1:2379" in message
+    assert "unencrypted" in message and "user 'root'" in message
+    for remedy in ("https://", "allow_insecure_auth", "DISCOVERY_ALLOW_INSECURE_AUTH=1"):
+        assert remedy in message
+    assert PASSWORD not in all_messages(info.value)
+
+
+def test_allow_insecure_auth_accepts_credentials_over_plaintext() -> None:
+    settings = Settings(username="root", password=PASSWORD, allow_insecure_auth=True)
+    assert settings.allow_insecure_auth and not settings.secure
+    assert "allow_insecure_auth=True" in repr(settings)
+
+
+def test_allow_insecure_auth_must_be_a_bool() -> None:
+    with pytest.raises(ConfigurationError, match="allow_insecure_auth must be True or False"):
+        Settings(allow_insecure_auth="yes")  # type: ignore[arg-type]
+
+
+def test_allow_insecure_auth_warns_once_per_process_without_the_password() -> None:
+    code = f"""
+import logging
+from discovery import Settings
+logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+for port in (2379, 2380, 2381):
+    Settings(endpoints=f"http://etcd:{{port}}", username="root", password={PASSWORD!r},
+             allow_insecure_auth=True)
+Settings(endpoints={HTTPS!r}, username="root", password={PASSWORD!r})
+print("built")
+"""
+    returncode, out, err = run_python(code, dict(os.environ))
+    assert returncode == 0 and out == "built\n", err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("WARNING discovery._settings: allow_insecure_auth")
+    assert "http://etcd:2379" in lines[0] and "'root'" in lines[0]
+    assert PASSWORD not in err
 
 
 @pytest.mark.parametrize(
@@ -295,6 +347,7 @@ EVERY_VARIABLE = {
     "DISCOVERY_ETCD_USERNAME",
     "DISCOVERY_ETCD_PASSWORD",
     "DISCOVERY_ETCD_PASSWORD_FILE",
+    "DISCOVERY_ALLOW_INSECURE_AUTH",
 }
 
 
@@ -310,6 +363,7 @@ def full_environ(tls_files: dict[str, str]) -> dict[str, str]:
         "DISCOVERY_ETCD_KEY": tls_files["key"],
         "DISCOVERY_ETCD_USERNAME": "router",
         "DISCOVERY_ETCD_PASSWORD": PASSWORD,
+        "DISCOVERY_ALLOW_INSECURE_AUTH": "0",
         "UNRELATED": "x",
     }
 
@@ -329,12 +383,38 @@ def test_from_env_reads_every_variable(tls_files: dict[str, str]) -> None:
         tls_files["key"],
     )
     assert (settings.username, settings.password) == ("router", PASSWORD)
+    assert settings.allow_insecure_auth is False
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("1", True), ("true", True), (" YES ", True), ("on", True), ("0", False), ("off", False)],
+)
+def test_from_env_reads_allow_insecure_auth(raw: str, expected: bool) -> None:
+    settings = Settings.from_env({"DISCOVERY_ALLOW_INSECURE_AUTH": raw})
+    assert settings.allow_insecure_auth is expected
+
+
+def test_from_env_allow_insecure_auth_opts_in_to_credentials_over_plaintext() -> None:
+    environ = {"DISCOVERY_ETCD_USERNAME": "u", "DISCOVERY_ETCD_PASSWORD": PASSWORD}
+    with pytest.raises(ConfigurationError, match="DISCOVERY_ALLOW_INSECURE_AUTH=1"):
+        Settings.from_env(environ)
+    environ["DISCOVERY_ALLOW_INSECURE_AUTH"] = "1"
+    assert Settings.from_env(environ).allow_insecure_auth is True
+
+
+def test_from_env_non_boolean_allow_insecure_auth_names_the_variable() -> None:
+    with pytest.raises(
+        ConfigurationError, match="DISCOVERY_ALLOW_INSECURE_AUTH='maybe' is not a boolean"
+    ):
+        Settings.from_env({"DISCOVERY_ALLOW_INSECURE_AUTH": "maybe"})
 
 
 def test_from_env_reads_the_password_file(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text(PASSWORD + "\n")
     environ = {
+        "DISCOVERY_ETCD_ENDPOINTS": HTTPS,
         "DISCOVERY_ETCD_USERNAME": "router",
         "DISCOVERY_ETCD_PASSWORD_FILE": str(secret),
     }
@@ -347,7 +427,7 @@ def test_from_env_reads_the_password_file(tmp_path: Path) -> None:
 def test_password_file_is_read_again_at_each_authentication(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("first\n")
-    settings = Settings(username="u", password_file=str(secret))
+    settings = Settings(endpoints=HTTPS, username="u", password_file=str(secret))
     assert settings.read_password() == "first"
     secret.write_text("rotated\n")
     assert settings.read_password() == "rotated"
@@ -364,6 +444,7 @@ def test_from_env_password_wins_over_password_file(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("from-file")
     environ = {
+        "DISCOVERY_ETCD_ENDPOINTS": HTTPS,
         "DISCOVERY_ETCD_USERNAME": "router",
         "DISCOVERY_ETCD_PASSWORD": PASSWORD,
         "DISCOVERY_ETCD_PASSWORD_FILE": str(secret),
@@ -373,7 +454,11 @@ def test_from_env_password_wins_over_password_file(tmp_path: Path) -> None:
 
 def test_from_env_unreadable_password_file_names_the_variable(tmp_path: Path) -> None:
     missing = str(tmp_path / "missing")
-    environ = {"DISCOVERY_ETCD_USERNAME": "u", "DISCOVERY_ETCD_PASSWORD_FILE": missing}
+    environ = {
+        "DISCOVERY_ETCD_ENDPOINTS": HTTPS,
+        "DISCOVERY_ETCD_USERNAME": "u",
+        "DISCOVERY_ETCD_PASSWORD_FILE": missing,
+    }
     with pytest.raises(
         ConfigurationError,
         match=rf"\(DISCOVERY_ETCD_PASSWORD_FILE\): cannot read {re.escape(repr(missing))}",
@@ -406,6 +491,7 @@ def test_from_env_with_explicit_environ_ignores_os_environ(monkeypatch: pytest.M
         ("request_timeout", 9.0),
         ("username", "admin"),
         ("password", "override-password"),
+        ("allow_insecure_auth", True),
     ],
 )
 def test_from_env_keyword_overrides_win(
@@ -427,7 +513,11 @@ def test_from_env_tls_overrides_win(name: str, tls_files: dict[str, str], tmp_pa
 def test_from_env_password_override_wins_over_password_file(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("from-file")
-    environ = {"DISCOVERY_ETCD_USERNAME": "u", "DISCOVERY_ETCD_PASSWORD_FILE": str(secret)}
+    environ = {
+        "DISCOVERY_ETCD_ENDPOINTS": HTTPS,
+        "DISCOVERY_ETCD_USERNAME": "u",
+        "DISCOVERY_ETCD_PASSWORD_FILE": str(secret),
+    }
     assert Settings.from_env(environ, password=PASSWORD).password == PASSWORD
 
 
@@ -455,7 +545,7 @@ def test_from_env_non_positive_timeout_is_refused(raw: str) -> None:
 
 
 def test_password_is_not_in_repr_or_str() -> None:
-    settings = Settings(username="root", password=PASSWORD)
+    settings = Settings(endpoints=HTTPS, username="root", password=PASSWORD)
     assert PASSWORD not in repr(settings)
     assert PASSWORD not in str(settings)
     assert "password='***'" in repr(settings)
@@ -487,6 +577,8 @@ def test_repr_without_password_says_none() -> None:
         {"endpoints": HTTPS, "cert": "/nonexistent/cert.pem", "key": "/nonexistent/key.pem"},
         {"username": None},
         {"username": ""},
+        {"endpoints": "http://etcd:2379"},
+        {"allow_insecure_auth": "yes"},
     ],
     ids=repr,
 )
@@ -506,6 +598,8 @@ def test_password_is_not_in_any_configuration_error(bad: dict[str, Any]) -> None
         {"DISCOVERY_NAMESPACE": "a b"},
         {"DISCOVERY_ETCD_CA_CERT": "/nonexistent/ca.pem"},
         {"DISCOVERY_ETCD_USERNAME": ""},
+        {"DISCOVERY_ETCD_ENDPOINTS": "http://etcd:2379"},
+        {"DISCOVERY_ALLOW_INSECURE_AUTH": "maybe"},
     ],
     ids=repr,
 )

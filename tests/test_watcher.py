@@ -27,7 +27,7 @@ from discovery import (
 from discovery._codec import EngineRecord, encode
 
 from .containers import both_etcds
-from .helpers import make_endpoint, raw_call, wait_for
+from .helpers import etcdctl, make_endpoint, raw_call, wait_for
 
 
 def _value(index: int, engine_id: str | None = None, **labels: str) -> bytes:
@@ -413,3 +413,25 @@ def test_table_listeners_get_each_batch_with_its_snapshot(settings: Settings) ->
         with pytest.raises(TimeoutError):
             table.wait_until(lambda snap: "e9" in snap, timeout=0.2)
     client.close()
+
+
+def _etcd_revision(endpoints: list[str]) -> int:
+    """etcd's current revision, read with etcdctl (not with the package under test)."""
+    result = etcdctl(endpoints, "get", "/", "--keys-only", "-w", "json")
+    assert result.returncode == 0, result.stderr
+    return int(json.loads(result.stdout)["header"]["revision"])
+
+
+def test_an_empty_table_is_current_at_the_revision_of_its_listing(
+    etcd, private_settings: Settings
+) -> None:
+    """A snapshot without engines still names the revision it is current at (issue 18)."""
+    assert etcdctl(etcd.endpoints, "put", "/elsewhere", "moves the revision").returncode == 0
+    before = _etcd_revision(etcd.endpoints)  # a private etcd: nothing else writes
+    with EndpointWatcher(private_settings) as watcher:
+        table = RoutingTable(watcher).start()
+        snapshot = table.snapshot()
+        assert _etcd_revision(etcd.endpoints) == before > 1  # so the listing ran at `before`
+        assert len(snapshot) == 0
+        assert snapshot.revision == watcher.health().revision == table.revision == before
+        table.stop()

@@ -7,7 +7,6 @@ Exit status: 0 success, 1 runtime failure (etcd unavailable, conflict, denied),
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 from .._errors import ConfigurationError, DiscoveryError, InvalidRecordError
@@ -18,7 +17,6 @@ from ._args import (
     add_metrics_flags,
     add_registration_flags,
     add_settings_flags,
-    setup_logging,
 )
 from ._commands import (
     EXIT_FAILURE,
@@ -29,6 +27,7 @@ from ._commands import (
     cmd_watch,
 )
 from ._demo import cmd_demo
+from ._logging import command_logging, report_failure
 
 __all__ = ["build_parser", "main"]
 
@@ -95,12 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``discovery`` command; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        setup_logging(args)
-        return int(args.func(args))
-    except (UsageError, InvalidRecordError, ConfigurationError) as exc:
-        print(f"discovery {args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except DiscoveryError as exc:
-        print(f"discovery {args.command}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+    with command_logging(args):
+        try:
+            return int(args.func(args))
+        except (UsageError, InvalidRecordError, ConfigurationError) as exc:
+            report_failure(args, exc)
+            return EXIT_USAGE
+        except DiscoveryError as exc:
+            report_failure(args, exc)
+            return EXIT_FAILURE

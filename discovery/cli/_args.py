@@ -11,9 +11,7 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from .._endpoint import (
@@ -23,6 +21,7 @@ from .._endpoint import (
 )
 from .._metrics import Metrics
 from .._settings import Settings
+from ._logging import log_level
 
 log = logging.getLogger("discovery.cli")
 
@@ -49,16 +48,27 @@ _SETTINGS_FLAGS = {
         "file holding the etcd password ($DISCOVERY_ETCD_PASSWORD_FILE; "
         "or $DISCOVERY_ETCD_PASSWORD). Never given as a flag, so it stays out of ps.",
     ),
+    "allow_insecure_auth": (
+        "--allow-insecure-auth",
+        "send the etcd password over http:// endpoints, unencrypted "
+        "($DISCOVERY_ALLOW_INSECURE_AUTH; refused without it)",
+    ),
 }
 _FLOAT_SETTINGS = ("dial_timeout", "request_timeout")
+_SWITCH_SETTINGS = ("allow_insecure_auth",)
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """The etcd settings flags, and the logging flags every command takes."""
     group = parser.add_argument_group("etcd settings (flags win over DISCOVERY_* variables)")
     for name, (flag, text) in _SETTINGS_FLAGS.items():
-        group.add_argument(flag, help=text, type=float if name in _FLOAT_SETTINGS else str)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+        if name in _SWITCH_SETTINGS:  # absent: None, so $DISCOVERY_* decides
+            group.add_argument(flag, help=text, action="store_true", default=None)
+        else:
+            group.add_argument(flag, help=text, type=float if name in _FLOAT_SETTINGS else str)
+    parser.add_argument(
+        "--log-level", default="INFO", type=log_level, help="DEBUG, INFO, WARNING, ERROR"
+    )
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
 
 
@@ -76,40 +86,11 @@ def settings_argv(settings: Settings) -> list[str]:
     argv = []
     for name, (flag, _) in _SETTINGS_FLAGS.items():
         value = getattr(settings, name)
-        if value is not None:
+        if name in _SWITCH_SETTINGS:
+            argv += [flag] if value else []
+        elif value is not None:
             argv += [flag, ",".join(value) if name == "endpoints" else str(value)]
     return argv
-
-
-# -- logging -----------------------------------------------------------------------------
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line)
-
-
-def setup_logging(args: argparse.Namespace) -> None:
-    """Log to stderr at ``--log-level``, as text or one JSON object per line."""
-    handler = logging.StreamHandler(sys.stderr)
-    if args.log_format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    level = logging.getLevelName(args.log_level.upper())
-    if not isinstance(level, int):
-        raise UsageError(f"--log-level {args.log_level!r} is not a logging level")
-    root.setLevel(level)
 
 
 # -- metrics -----------------------------------------------------------------------------
