@@ -89,11 +89,25 @@ def _reports_health(url: str, timeout: float, context: ssl.SSLContext | None = N
         return False
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    if sys.platform.startswith("linux"):
-        import ctypes  # noqa: PLC0415
+# Sets PR_SET_PDEATHSIG (1) then execs the command; exits if the parent is already gone.
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,signal,sys;"
+    "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL);"
+    "os.getppid()==int(sys.argv[1]) or os._exit(1);"
+    "os.execv(sys.argv[2],sys.argv[2:])"
+)
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+def _dying_with_parent(command: list[str]) -> list[str]:
+    """``command``, run so that it gets SIGKILL when this process dies (Linux).
+
+    Through a small exec shim, not ``preexec_fn``: a ``preexec_fn`` makes subprocess fork()
+    instead of vfork(), which runs gRPC's fork handlers in a process full of gRPC threads
+    (seen deadlocked in ``__run_prefork_handlers``).
+    """
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command]
 
 
 @dataclass(frozen=True)
@@ -167,11 +181,10 @@ class EtcdMember:
             return
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self._command(),
+                _dying_with_parent(self._command()),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads in the child
             )
 
     def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
@@ -404,11 +417,10 @@ class EtcdGrpcProxy:
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                command,
+                _dying_with_parent(command),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads in the child
             )
         deadline = time.monotonic() + timeout
         while not self.healthy():

@@ -224,6 +224,7 @@ def test_authentication_fails_over_from_a_member_that_does_not_answer(etcd, monk
             password="root-pw",
             dial_timeout=10,
             request_timeout=2,
+            allow_insecure_auth=True,  # a test of failover, on plaintext
         )
         started = time.monotonic()
         with Connection(settings) as conn:
