@@ -4,8 +4,12 @@
   container through testcontainers when a Docker engine answers; else a local etcd
   binary (the path CI takes here). Tests that share it use their own namespace.
 * ``etcd`` / ``etcd3`` (per test): private local members the test may kill and restart.
+* ``netns_etcd3`` (per test): 3 members in network namespaces that the test may partition
+  (``discovery.embedded_netns``); skipped, with the reason, where namespaces cannot be
+  built (not root, no iproute2).
 
-Every local member is checked to be gone, with its data directory, after the test.
+Every local member is checked to be gone, with its data directory (and its namespaces
+and links), after the test.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 
 from discovery import Settings
 from discovery.embedded import EtcdCluster
+from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
 
 _ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 
@@ -54,16 +59,19 @@ def _container_etcd() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _checked_cluster(size: int, **kwargs) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(size, **kwargs).start()
+def _checked_cluster(size: int, cls=EtcdCluster, **kwargs) -> Iterator[EtcdCluster]:
+    cluster = cls(size, **kwargs).start()
     base_dir = Path(cluster.base_dir)
     processes = [m.process for m in cluster.members]
+    prefix = getattr(cluster, "prefix", None)
     try:
         yield cluster
     finally:
         cluster.stop()
     assert all(p is None or p.poll() is not None for p in processes), "etcd left running"
     assert not base_dir.exists(), f"etcd data directory {base_dir} left behind"
+    if prefix is not None:
+        assert not leftovers(prefix), f"namespaces or links left behind: {leftovers(prefix)}"
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +109,21 @@ def etcd() -> Iterator[EtcdCluster]:
 def etcd3() -> Iterator[EtcdCluster]:
     """A private 3-member etcd cluster."""
     with _checked_cluster(3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def netns_available() -> None:
+    """Skip, saying why, where network namespaces cannot be built (never a silent pass)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"partition test skipped: {reason}")
+
+
+@pytest.fixture
+def netns_etcd3(netns_available: None) -> Iterator[PartitionableCluster]:
+    """A private 3-member cluster, one network namespace per member: cut() / heal() them."""
+    with _checked_cluster(3, PartitionableCluster) as cluster:
         yield cluster
 
 
