@@ -16,6 +16,11 @@ It knows nothing about engines. It owns:
     after an error and delivers events one by one: we do not use it. ``WatchStream``
     is a bidirectional Watch stream of our own on the client's channel, with a
     watchdog that asks etcd for progress and cancels the stream when it stays silent;
+  * a member cut off from the rest of the cluster keeps serving an open watch from its
+    frozen state, silently: every stream is opened leader-required (gRPC metadata
+    ``hasleader: true``, like etcd's ``WithRequireLeader``), so etcd refuses it on a
+    member without a leader and ends it when its member loses the leader; that member
+    is benched and the error is a ``NoLeaderError``;
   * ``Lease.refresh()`` opens one stream per refresh: ``KeepAliveStream`` keeps one
     stream for every lease of the connection;
   * an expired auth token: the client is rebuilt (re-authenticating) and the call retried;
@@ -100,6 +105,8 @@ _MEMBER_FAILURE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 )
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+# etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
+_REQUIRE_LEADER = ("hasleader", "true")
 
 
 class Compacted(EtcdError):
@@ -112,6 +119,10 @@ class Compacted(EtcdError):
 
 class StreamSilentError(EtcdUnavailableError):
     """Internal: the watchdog dropped a stream that stopped answering."""
+
+
+class NoLeaderError(EtcdUnavailableError):
+    """Internal: etcd refused or ended a leader-required stream: its member has no leader."""
 
 
 class _TokenExpired(Exception):
@@ -420,15 +431,27 @@ class Connection:
     # -- streams --------------------------------------------------------------------------
 
     def open_watch(
-        self, prefix: str, start_revision: int, *, heartbeat: float = 5.0
+        self,
+        prefix: str,
+        start_revision: int,
+        *,
+        heartbeat: float = 5.0,
+        progress_interval: float = 1.0,
     ) -> WatchStream:
-        """Open a watch of ``prefix`` from ``start_revision`` (inclusive)."""
+        """Open a leader-required watch of ``prefix`` from ``start_revision`` (inclusive)."""
         return self.attempt(
-            lambda c: WatchStream(c, self._reset_client, prefix, start_revision, heartbeat)
+            lambda c: WatchStream(
+                c,
+                self._reset_client,
+                prefix,
+                start_revision,
+                heartbeat=heartbeat,
+                progress_interval=progress_interval,
+            )
         )
 
     def open_keepalive(self) -> KeepAliveStream:
-        """Open one LeaseKeepAlive stream to refresh any number of leases."""
+        """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self.attempt(lambda c: KeepAliveStream(c, self._reset_client))
 
 
@@ -440,10 +463,11 @@ def _read(path: str | None) -> bytes | None:
 
 
 class _Stream:
-    """A bidirectional gRPC stream fed from a queue; cancel() ends it from any thread.
+    """A leader-required bidirectional gRPC stream fed from a queue; cancel() ends it.
 
     python3-etcd3 only benches a member after a failed unary call; a stream that fails
-    on a member benches it here, so the next stream fails over to another member.
+    on a member (or that the member refuses or ends for want of a leader) benches it
+    here, so the next stream fails over to another member.
     """
 
     def __init__(
@@ -458,7 +482,7 @@ class _Stream:
         self._channel = client.channel  # picks a member that is not benched
         self._member = client.endpoint_in_use
         self._credentials = client.call_credentials
-        self._metadata = client.metadata
+        self._metadata = (*(client.metadata or ()), _REQUIRE_LEADER)
 
     def _request_iter(self) -> Iterator[Any]:
         while True:
@@ -478,6 +502,11 @@ class _Stream:
         except grpc.RpcError as exc:
             if exc.code() in _MEMBER_FAILURE_CODES:
                 self._member.fail()
+                if "no leader" in (exc.details() or ""):
+                    raise NoLeaderError(
+                        f"etcd member {self._member.netloc} has no leader (cut off from the "
+                        f"rest of the cluster, or electing one): {describe(exc)}"
+                    ) from exc
             elif _token_expired(exc):
                 # A stream opened with a stale token (etcd restarted, or the token idled
                 # out): authenticate again before the next stream.
@@ -504,8 +533,10 @@ class WatchStream(_Stream):
 
     Iterate it for raw ``WatchResponse`` messages (all events of one revision arrive in
     one response). A watchdog thread sends a progress request whenever the stream has
-    been quiet for ``heartbeat`` seconds and cancels it when nothing has arrived for two
-    heartbeats, so a dead stream always ends in an error instead of hanging.
+    been quiet for ``progress_interval`` seconds (at most one per interval: each answer
+    proves the member still has a leader) and cancels the stream when nothing has
+    arrived for two ``heartbeat`` s, so a dead stream always ends in an error instead of
+    hanging.
     """
 
     def __init__(
@@ -514,7 +545,9 @@ class WatchStream(_Stream):
         on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
         prefix: str,
         start_revision: int,
+        *,
         heartbeat: float,
+        progress_interval: float,
     ) -> None:
         super().__init__(client, on_token_expired)
         key = prefix.encode()
@@ -524,7 +557,8 @@ class WatchStream(_Stream):
         self.send(etcdrpc.WatchRequest(create_request=create))
         self._open(etcdrpc.WatchStub(self._channel).Watch)
         self._heartbeat = heartbeat
-        self._last_seen = time.monotonic()
+        self._progress_interval = progress_interval
+        self._last_seen = self._last_asked = time.monotonic()
         self._stopped = threading.Event()
         self.silent = False
         self._watchdog = threading.Thread(
@@ -533,14 +567,17 @@ class WatchStream(_Stream):
         self._watchdog.start()
 
     def _guard(self) -> None:
-        while not self._stopped.wait(self._heartbeat / 2):
-            quiet = time.monotonic() - self._last_seen
+        every = min(self._progress_interval, self._heartbeat)  # ask before giving up
+        while not self._stopped.wait(every / 2):
+            now = time.monotonic()
+            quiet = now - self._last_seen
             if quiet >= 2 * self._heartbeat:
                 log.warning("watch stream silent for %.1f s; reconnecting", quiet)
                 self.silent = True
                 self.abandon()
                 return
-            if quiet >= self._heartbeat:
+            if quiet >= every and now - self._last_asked >= every:
+                self._last_asked = now
                 self.send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
 
     def __iter__(self) -> Iterator[Any]:

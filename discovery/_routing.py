@@ -4,10 +4,16 @@ Reads never touch etcd. Each watcher batch (one etcd revision, or one snapshot d
 applied under the table's lock at once, so a reader never sees half a revision. The
 records live in a persistent map (``immutables.Map``): a batch costs O(changes x log N)
 and a snapshot is the map itself, so neither copies the table (50,000 engines included).
+
+A snapshot carries the watcher's proof of being current: ``snapshot.staleness`` (read at
+the time you ask, so a snapshot held for long grows stale) and ``snapshot.stale``. During
+a partition that leaves the watcher without a member that has a leader, the table keeps
+serving its last content (fail-static) and its snapshots say ``stale``.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,13 +31,37 @@ __all__ = ["RoutingSnapshot", "RoutingTable"]
 
 
 class RoutingSnapshot(Mapping[str, EngineRecord]):
-    """An immutable view of the table: engine id -> record, at ``revision``."""
+    """An immutable view of the table: engine id -> record, at ``revision``.
 
-    __slots__ = ("_records", "revision")
+    ``proven_at`` is the ``time.monotonic()`` at which etcd last proved this content
+    current (None: no proof attached, e.g. a snapshot built by hand); ``stale_after`` the
+    staleness above which it counts as stale.
+    """
 
-    def __init__(self, records: Mapping[str, EngineRecord], revision: int) -> None:
+    __slots__ = ("_records", "proven_at", "revision", "stale_after")
+
+    def __init__(
+        self,
+        records: Mapping[str, EngineRecord],
+        revision: int,
+        *,
+        proven_at: float | None = None,
+        stale_after: float = math.inf,
+    ) -> None:
         self._records = records if isinstance(records, immutables.Map) else immutables.Map(records)
         self.revision = revision
+        self.proven_at = proven_at
+        self.stale_after = stale_after
+
+    @property
+    def staleness(self) -> float:
+        """Seconds, now, since etcd last proved this content current (0 without a proof)."""
+        return 0.0 if self.proven_at is None else max(0.0, time.monotonic() - self.proven_at)
+
+    @property
+    def stale(self) -> bool:
+        """Whether ``staleness`` exceeds ``stale_after``: etcd may hold changes not in here."""
+        return self.staleness > self.stale_after
 
     def __getitem__(self, engine_id: str) -> EngineRecord:
         return self._records[engine_id]
@@ -131,10 +161,18 @@ class RoutingTable:
     # -- reads -------------------------------------------------------------------------
 
     def snapshot(self) -> RoutingSnapshot:
-        """An immutable view of every engine and the revision it reflects."""
+        """An immutable view of every engine, the revision and the staleness it reflects."""
+        freshness = self.watcher.freshness
         with self._cond:
-            if self._snapshot is None:
-                self._snapshot = RoutingSnapshot(self._records, self._revision)
+            # The proof is taken after the batch it covers was applied: read it first.
+            proven_at = freshness.proven_at
+            if self._snapshot is None or self._snapshot.proven_at != proven_at:
+                self._snapshot = RoutingSnapshot(
+                    self._records,
+                    self._revision,
+                    proven_at=proven_at,
+                    stale_after=freshness.stale_after,
+                )
             return self._snapshot
 
     def get(self, engine_id: str) -> EngineRecord | None:

@@ -22,6 +22,16 @@ The informer pattern, adapted to etcd. What a consumer may rely on:
   ``added``; deleting a never-valid key delivers nothing. The same holds for records
   that stop (or start) matching the label selector.
 * **Removed events** carry the last known record.
+* **Partitions.** The watch stream is leader-required: a member cut off from the rest of
+  the cluster refuses it, or ends it within a few election timeouts of losing its leader,
+  and the watch resumes at once on another member from the last applied revision + 1.
+  List reads are linearizable (they fail on a member without a leader).
+* **Bounded staleness.** ``health().staleness`` is the time since a member with a leader
+  last answered (an event, or the answer to a progress request sent after
+  ``progress_interval`` of quiet); ``health().stale`` says it exceeds ``stale_after``
+  (see ``discovery._staleness`` for the default and the bound it gives). When no member
+  with a leader answers, the watcher keeps its last table (fail-static) and says so in
+  ``health()``, ``discovery_watcher_staleness_seconds`` and a WARNING log.
 """
 
 from __future__ import annotations
@@ -39,21 +49,23 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
 from ._codec import EngineRecord, KeySpace, RecordView
 from ._connection import (
     Compacted,
     Connection,
+    NoLeaderError,
     StreamSilentError,
     WatchStream,
     explain,
     translate,
 )
 from ._dispatch import Dispatcher
-from ._errors import ClosedError, EtcdUnavailableError, RecordDecodeError
+from ._errors import ClosedError, ConfigurationError, EtcdUnavailableError, RecordDecodeError
 from ._metrics import NO_METRICS, Metrics
 from ._settings import Settings
+from ._staleness import Freshness, default_stale_after
 
 __all__ = ["EndpointEvent", "EndpointWatcher", "EventType", "WatcherHealth", "WatcherState"]
 
@@ -117,6 +129,12 @@ class WatcherHealth:
     skipped: int
     """Values under the prefix that could not be decoded."""
     engines: int
+    staleness: float = 0.0
+    """Seconds since an etcd member with a leader last answered (see ``stale_after``)."""
+    stale: bool = False
+    """Whether ``staleness`` exceeds ``stale_after``: the table may miss changes."""
+    stale_after: float = 0.0
+    """The staleness threshold in seconds."""
 
 
 class _Sink(Protocol):
@@ -143,6 +161,12 @@ class EndpointWatcher:
     first gets the current engines as ``added`` events, then every change. ``start()``
     and ``stop()`` are explicit and idempotent; ``stop()`` ends every iterator and
     leaves no thread or stream behind.
+
+    ``progress_interval`` (seconds, default 1) is how long the stream may stay quiet
+    before the watcher asks etcd for a progress notification; ``stale_after`` (seconds,
+    default ``progress_interval + 3 x settings.election_timeout``) is the staleness
+    above which ``health().stale`` is true. A stream that answers nothing for two
+    ``heartbeat`` s is dropped and opened again.
     """
 
     def __init__(
@@ -153,8 +177,13 @@ class EndpointWatcher:
         selector: Mapping[str, str] | None = None,
         connection: Connection | None = None,
         heartbeat: float = 5.0,
+        progress_interval: float = 1.0,
+        stale_after: float | None = None,
         metrics: Metrics | None = None,
     ) -> None:
+        for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ConfigurationError(f"{name} must be a positive number of seconds")
         self._metrics = metrics or NO_METRICS
         self._owns_connection = connection is None
         if connection is None:
@@ -171,6 +200,13 @@ class EndpointWatcher:
         self.prefix = self._keyspace.prefix
         self.selector = MappingProxyType(dict(selector or {}))
         self._heartbeat = heartbeat
+        self._progress_interval = progress_interval
+        if stale_after is None:
+            stale_after = default_stale_after(
+                progress_interval, connection.settings.election_timeout
+            )
+        self.freshness = Freshness(self.prefix, stale_after, self._describe)
+        """When a member with a leader last answered this watcher."""
         self._lock = threading.Lock()
         self._cache: dict[str, _Entry] = {}
         self._revision = 0
@@ -189,6 +225,8 @@ class EndpointWatcher:
         self._reconnects = 0
         self._relists = 0
         self._skipped = 0
+        if metrics is not None:
+            metrics.observe_watcher(self)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -202,6 +240,7 @@ class EndpointWatcher:
             if self._stop.is_set():
                 raise ClosedError("watcher is stopped")
             if self._thread is None:
+                self.freshness.start()
                 self._thread = threading.Thread(
                     target=self._run, name="discovery-watcher", daemon=True
                 )
@@ -229,6 +268,7 @@ class EndpointWatcher:
         for sink in sinks:
             sink.close()
         self._dispatcher.stop()
+        self.freshness.stop()
         if self._owns_connection:
             self._conn.close()
 
@@ -307,7 +347,8 @@ class EndpointWatcher:
         return self._revision
 
     def health(self) -> WatcherHealth:
-        """Connection state, last error, revision and counters."""
+        """Connection state, last error, revision, counters and staleness."""
+        staleness = self.freshness.age()
         with self._lock:
             return WatcherHealth(
                 state=self._state,
@@ -320,6 +361,17 @@ class EndpointWatcher:
                 relists=self._relists,
                 skipped=self._skipped,
                 engines=len(self._cache),
+                staleness=staleness,
+                stale=staleness > self.freshness.stale_after,
+                stale_after=self.freshness.stale_after,
+            )
+
+    def _describe(self) -> str:
+        """What the watcher serves, and why it is not current: for the stale warning."""
+        with self._lock:
+            return (
+                f"{len(self._cache)} engines at revision {self._revision}, "
+                f"last error: {self._last_error or 'none'}"
             )
 
     # -- the list-watch loop -----------------------------------------------------------
@@ -328,7 +380,7 @@ class EndpointWatcher:
         while not self._stop.is_set():
             retrying = Retrying(
                 retry=retry_if_exception(self._should_retry),
-                wait=wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2),
+                wait=self._backoff,
                 sleep=self._stop.wait,
                 before_sleep=lambda state: self._on_retry(state.outcome.exception()),
                 reraise=True,
@@ -342,6 +394,16 @@ class EndpointWatcher:
                     log.exception("watcher loop failed; restarting")
                     self._on_retry(exc)
                     self._stop.wait(1.0)
+
+    _exponential = wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2)
+
+    def _backoff(self, state: RetryCallState) -> float:
+        delay = self._exponential(state)
+        if state.outcome is not None and isinstance(state.outcome.exception(), NoLeaderError):
+            # A partition or an election: another member (or this one, once it has a
+            # leader again) answers soon, and a refusal costs etcd next to nothing.
+            return min(delay, self._conn.settings.election_timeout / 4)
+        return delay
 
     def _should_retry(self, exc: BaseException) -> bool:
         return not self._stop.is_set() and not isinstance(exc, _Resume)
@@ -363,7 +425,12 @@ class EndpointWatcher:
     def _session(self) -> None:
         if self._needs_list:
             self._relist()
-        stream = self._conn.open_watch(self.prefix, self._revision + 1, heartbeat=self._heartbeat)
+        stream = self._conn.open_watch(
+            self.prefix,
+            self._revision + 1,
+            heartbeat=self._heartbeat,
+            progress_interval=self._progress_interval,
+        )
         self._stream = stream
         if self._stop.is_set():
             stream.close()
@@ -375,6 +442,7 @@ class EndpointWatcher:
                 self._newest = max(self._newest, response.header.revision)
                 if response.events:
                     self._apply(response.events)
+                self.freshness.proved()  # after the apply: a table read then holds it
                 self._metrics.watcher_revision(self.prefix, self._revision, self._newest)
         except Compacted as exc:
             log.warning("watch of %s fell behind compaction (%s); listing again", self.prefix, exc)
@@ -433,6 +501,7 @@ class EndpointWatcher:
         self._newest = max(self._newest, revision)
         self._metrics.events_applied(self.prefix, (e.type.value for e in batch), 0.0)
         self._metrics.watcher_revision(self.prefix, revision, self._newest)
+        self.freshness.proved()  # a linearizable read: its member had a leader
         self._mark_connected()
 
     def _decode(self, key: str, raw_key: bytes, value: bytes) -> EngineRecord | None:
@@ -498,6 +567,8 @@ def _cause(exc: BaseException) -> str:
         return "compaction"
     if isinstance(exc, StreamSilentError):
         return "timeout"
+    if isinstance(exc, NoLeaderError):
+        return "no_leader"
     return "stream_error"
 
 

@@ -7,6 +7,7 @@ need no etcd; the last tests use the shared etcd fixtures.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import re
@@ -35,6 +36,7 @@ from discovery import (
     register_engine,
 )
 from discovery._codec import EngineRecord
+from discovery._staleness import Freshness
 
 from .helpers import make_endpoint
 
@@ -49,7 +51,10 @@ class Fleet:
 
     def __init__(self) -> None:
         watcher = SimpleNamespace(
-            add_sink=lambda sink: lambda: None, start=lambda wait=True: None, stop=lambda: None
+            add_sink=lambda sink: lambda: None,
+            start=lambda wait=True: None,
+            stop=lambda: None,
+            freshness=Freshness("by hand", math.inf, str),  # never proved, never stale
         )
         self.table = RoutingTable(watcher=watcher)
         self.records: dict[str, EngineRecord] = {}

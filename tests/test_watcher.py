@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import threading
 from collections import Counter
@@ -11,6 +12,7 @@ from collections.abc import Callable
 
 import etcd3
 import pytest
+from prometheus_client import CollectorRegistry
 
 from discovery import (
     Connection,
@@ -18,6 +20,7 @@ from discovery import (
     EndpointWatcher,
     EtcdUnavailableError,
     EventType,
+    Metrics,
     RoutingTable,
     Settings,
     WatcherHealth,
@@ -409,4 +412,51 @@ def test_table_listeners_get_each_batch_with_its_snapshot(settings: Settings) ->
         assert "e2" in table and len(table) == 3
         with pytest.raises(TimeoutError):
             table.wait_until(lambda snap: "e9" in snap, timeout=0.2)
+    client.close()
+
+
+def test_without_a_leader_the_watcher_serves_its_last_table_and_says_it_is_stale(
+    etcd3, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Quorum lost (two of three members killed): fail-static, and stale in every view.
+
+    tests/test_partitions.py shows the same for a member cut off by a real partition.
+    """
+    caplog.set_level(logging.INFO, logger="discovery")
+    survivor, *others = etcd3.members
+    settings = Settings(endpoints=[survivor.client_url], namespace="quorum", dial_timeout=10)
+    prefix = settings.keyspace.prefix
+    registry = CollectorRegistry()
+    client = _raw(settings)
+    for i in range(2):
+        client.put(settings.keyspace.key(f"e{i}"), _value(i))
+    with (
+        EndpointWatcher(settings, metrics=Metrics(registry)) as watcher,
+        RoutingTable(watcher) as table,
+    ):
+        before = table.wait_until(lambda snap: len(snap) == 2, timeout=10)
+        assert not before.stale and before.staleness < watcher.health().stale_after
+        assert registry.get_sample_value("discovery_watcher_stale", {"prefix": prefix}) == 0
+        for member in others:
+            member.stop(kill=True)
+        wait_for(
+            lambda: watcher.health().stale and "is stale" in caplog.text,
+            timeout=20,
+            message="the watcher to call itself stale, and log it",
+        )
+        health = watcher.health()
+        assert health.staleness > health.stale_after
+        assert "no leader" in (health.last_error or "")
+        reconnects = {"prefix": prefix, "cause": "no_leader"}
+        assert registry.get_sample_value("discovery_watcher_reconnects_total", reconnects) >= 1
+        assert registry.get_sample_value("discovery_watcher_stale", {"prefix": prefix}) == 1
+        snapshot = table.snapshot()
+        assert snapshot.stale and dict(snapshot) == dict(before)  # the last table, kept
+        assert before.stale  # a snapshot held from before the loss grew stale too
+        for member in others:
+            member.start()
+        etcd3.wait_healthy()
+        wait_for(lambda: not watcher.health().stale, timeout=15, message="current again")
+        assert "is current again" in caplog.text
+        assert not table.snapshot().stale
     client.close()
