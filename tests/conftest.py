@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,6 +125,17 @@ def netns_available() -> None:
 def netns_etcd3(netns_available: None) -> Iterator[PartitionableCluster]:
     """A private 3-member cluster, one network namespace per member: cut() / heal() them."""
     with _checked_cluster(3, PartitionableCluster) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def chaos_etcd3() -> Iterator[EtcdCluster]:
+    """3 members in network namespaces where they can be built (so they can be cut), else on
+    loopback, with a warning naming the reason (the soak then runs without partitions)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        warnings.warn(f"chaos soak without partitions: {reason}", pytest.PytestWarning, 2)
+    with _checked_cluster(3, EtcdCluster if reason else PartitionableCluster) as cluster:
         yield cluster
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -21,6 +22,7 @@ from discovery import (
     Connection,
     EndpointEvent,
     EndpointWatcher,
+    EtcdUnavailableError,
     EventType,
     Metrics,
     RegistrationState,
@@ -234,6 +236,12 @@ def test_a_watcher_whose_only_member_is_cut_says_stale_and_keeps_its_table(
             snapshot = table.snapshot()
             assert snapshot.stale and snapshot.staleness > threshold
             assert _table_content(table) == before  # fail-static: the last table, unchanged
+            # List reads are linearizable: the cut member refuses them, it never lists stale data.
+            with (
+                Connection(dataclasses.replace(only, request_timeout=2)) as direct,
+                pytest.raises(EtcdUnavailableError),
+            ):
+                direct.list_prefix(only.keyspace.prefix, timeout=0)
             labels = {"prefix": only.keyspace.prefix}
             assert registry.get_sample_value("discovery_watcher_stale", labels) == 1
             staleness = registry.get_sample_value("discovery_watcher_staleness_seconds", labels)
