@@ -13,7 +13,6 @@ serving its last content (fail-static) and its snapshots say ``stale``.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,6 +24,7 @@ from ._connection import Connection
 from ._dispatch import Dispatcher, Listeners
 from ._metrics import Metrics
 from ._settings import Settings
+from ._staleness import Freshness
 from ._watcher import EndpointEvent, EndpointWatcher, EventType
 
 __all__ = ["RoutingSnapshot", "RoutingTable"]
@@ -33,35 +33,48 @@ __all__ = ["RoutingSnapshot", "RoutingTable"]
 class RoutingSnapshot(Mapping[str, EngineRecord]):
     """An immutable view of the table: engine id -> record, at ``revision``.
 
-    ``proven_at`` is the ``time.monotonic()`` at which etcd last proved this content
-    current (None: no proof attached, e.g. a snapshot built by hand); ``stale_after`` the
-    staleness above which it counts as stale.
+    ``staleness`` and ``stale`` say how current it is, at the time you ask: the table's
+    snapshot shares its watcher's proof of being current until the table changes, and
+    keeps the last such proof from then on. A snapshot built by hand has no proof: its
+    staleness is 0.
     """
 
-    __slots__ = ("_records", "proven_at", "revision", "stale_after")
+    __slots__ = ("_freshness", "_proven_until", "_records", "revision")
 
     def __init__(
         self,
         records: Mapping[str, EngineRecord],
         revision: int,
         *,
-        proven_at: float | None = None,
-        stale_after: float = math.inf,
+        freshness: Freshness | None = None,
     ) -> None:
         self._records = records if isinstance(records, immutables.Map) else immutables.Map(records)
         self.revision = revision
-        self.proven_at = proven_at
-        self.stale_after = stale_after
+        self._freshness = freshness
+        self._proven_until: float | None = None
+
+    def _supersede(self) -> None:
+        """The table moved on: later proofs no longer cover this content."""
+        if self._freshness is not None:
+            self._proven_until = self._freshness.proven_at
+
+    @property
+    def proven_at(self) -> float | None:
+        """``time.monotonic()`` when etcd last proved this content current (None: no proof)."""
+        if self._proven_until is not None or self._freshness is None:
+            return self._proven_until
+        return self._freshness.proven_at
 
     @property
     def staleness(self) -> float:
         """Seconds, now, since etcd last proved this content current (0 without a proof)."""
-        return 0.0 if self.proven_at is None else max(0.0, time.monotonic() - self.proven_at)
+        proven_at = self.proven_at
+        return 0.0 if proven_at is None else max(0.0, time.monotonic() - proven_at)
 
     @property
     def stale(self) -> bool:
-        """Whether ``staleness`` exceeds ``stale_after``: etcd may hold changes not in here."""
-        return self.staleness > self.stale_after
+        """Whether ``staleness`` exceeds the watcher's ``stale_after``: etcd may hold more."""
+        return self._freshness is not None and self.staleness > self._freshness.stale_after
 
     def __getitem__(self, engine_id: str) -> EngineRecord:
         return self._records[engine_id]
@@ -146,6 +159,10 @@ class RoutingTable:
                         records[event.engine_id] = event.record
                 self._records = records.finish()
             self._revision = max(self._revision, batch[-1].revision)
+            if self._snapshot is not None:
+                # Delivered before the watcher records its proof of this batch, so the
+                # proof time now is the last one that covered the old content.
+                self._snapshot._supersede()
             self._snapshot = None
             self._cond.notify_all()
         if self._listeners:
@@ -161,17 +178,11 @@ class RoutingTable:
     # -- reads -------------------------------------------------------------------------
 
     def snapshot(self) -> RoutingSnapshot:
-        """An immutable view of every engine, the revision and the staleness it reflects."""
-        freshness = self.watcher.freshness
+        """An immutable view of every engine and the revision it reflects (and staleness)."""
         with self._cond:
-            # The proof is taken after the batch it covers was applied: read it first.
-            proven_at = freshness.proven_at
-            if self._snapshot is None or self._snapshot.proven_at != proven_at:
+            if self._snapshot is None:
                 self._snapshot = RoutingSnapshot(
-                    self._records,
-                    self._revision,
-                    proven_at=proven_at,
-                    stale_after=freshness.stale_after,
+                    self._records, self._revision, freshness=self.watcher.freshness
                 )
             return self._snapshot
 

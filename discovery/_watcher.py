@@ -182,7 +182,9 @@ class EndpointWatcher:
         metrics: Metrics | None = None,
     ) -> None:
         for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
-            if value is not None and not (isinstance(value, int | float) and value > 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
                 raise ConfigurationError(f"{name} must be a positive number of seconds")
         self._metrics = metrics or NO_METRICS
         self._owns_connection = connection is None

@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from discovery import (
+    ConfigurationError,
     Connection,
     EndpointEvent,
     EndpointWatcher,
@@ -460,3 +462,34 @@ def test_without_a_leader_the_watcher_serves_its_last_table_and_says_it_is_stale
         assert "is current again" in caplog.text
         assert not table.snapshot().stale
     client.close()
+
+
+def test_a_quiet_watch_stays_current_through_progress_requests(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing changes under the prefix: answered progress requests keep the proof fresh."""
+    caplog.set_level(logging.INFO, logger="discovery")
+    with (
+        EndpointWatcher(settings, progress_interval=0.3, stale_after=2.0) as watcher,
+        RoutingTable(watcher) as table,
+    ):
+        first = table.snapshot()
+        started, worst = time.monotonic(), 0.0
+
+        def watched_long_enough() -> bool:
+            nonlocal worst
+            worst = max(worst, watcher.health().staleness)
+            return time.monotonic() - started > 2.5 * 2.0
+
+        wait_for(watched_long_enough, timeout=30, message="a quiet spell of 2.5 thresholds")
+        assert worst < 2.0 and not watcher.health().stale
+        # Proofs do not make new snapshots: a router re-indexes only when the content changes.
+        assert table.snapshot() is first and first.staleness < 2.0
+    assert "is stale" not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["progress_interval", "stale_after"])
+@pytest.mark.parametrize("bad", [0, -1, "1", True, float("nan")], ids=repr)
+def test_bad_staleness_settings_are_refused(name: str, bad: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{name} must be a positive number of seconds"):
+        EndpointWatcher(Settings(), **{name: bad})
