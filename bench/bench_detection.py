@@ -31,7 +31,7 @@ from _common import (
     write_json,
 )
 
-from discovery import EventType, RoutingTable, Settings
+from discovery import EventType, RoutingTable, Settings, watch_table
 
 
 def start_registrar(settings: Settings, engine_id: str, ttl: float, log) -> subprocess.Popen:
@@ -139,7 +139,7 @@ def main() -> None:
     with etcd_cluster(1) as cluster:
         settings = Settings(endpoints=cluster.endpoints, namespace="detect", dial_timeout=10)
         removals = Removals()
-        table = RoutingTable(settings=settings)
+        table = watch_table(settings)
         table.subscribe(removals.listener)
         table.start()
         try:

@@ -115,9 +115,9 @@ def writer_process(url: str, namespace: str, raw_prefix: str, pipe) -> None:
     # is timed from just before its put (the lease grant before it is timed separately).
     original_put = _registration.Registration._put
 
-    def timed_put(self, client, lease_id, value, *, replace):
+    def timed_put(self, lease_id, value, *, replace):
         put_times.setdefault(self.key, time.perf_counter_ns())
-        return original_put(self, client, lease_id, value, replace=replace)
+        return original_put(self, lease_id, value, replace=replace)
 
     _registration.Registration._put = timed_put
     raw = etcd3.client(*host_port(url))

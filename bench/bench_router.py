@@ -27,13 +27,10 @@ import time
 import tracemalloc
 from datetime import datetime
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from discovery import (  # after the path tweak: runs from a checkout
-    EndpointEvent,
-    EventType,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
@@ -42,6 +39,7 @@ from discovery import (  # after the path tweak: runs from a checkout
     RoutingTable,
 )
 from discovery._codec import EngineRecord
+from discovery._store import EngineStore, Entry
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SIZES = (8, 64, 512)
@@ -56,8 +54,7 @@ TARGETS = {  # (policy, engines) -> median target in microseconds
 
 
 def make_table(engines: int) -> RoutingTable:
-    watcher = SimpleNamespace(add_sink=lambda sink: lambda: None)
-    table = RoutingTable(watcher=watcher)  # type: ignore[arg-type]
+    table = RoutingTable(EngineStore())  # fed by hand below
     caps = InferenceEngineCapabilities(
         context_length=8192,
         kv_cache_block_size=BLOCK,
@@ -68,12 +65,12 @@ def make_table(engines: int) -> RoutingTable:
         enable_prefix_caching=True,
         prefix_caching_coordinator_policy=PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
     )
-    events = []
+    entries = {}
     for i in range(engines):
         address = f"tcp://10.0.{i // 250}.{i % 250}:5555"
         record = EngineRecord(f"engine-{i:03d}", InferenceEngineEndpoint(address, caps))
-        events.append(EndpointEvent(EventType.ADDED, f"/k/{record.engine_id}", 1, record))
-    table.deliver(tuple(events))
+        entries[record.engine_id] = Entry(f"/k/{record.engine_id}", record, 1)
+    table.store.replace(entries, 1)
     return table
 
 

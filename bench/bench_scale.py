@@ -13,7 +13,7 @@ Run: ``.venv/bin/python bench/bench_scale.py [--sizes 1000,10000,50000] [--ttl 3
 * Keepalive rate: LeaseKeepAlive requests sent and responses received per second,
   counted in the workers (by wrapping the keeper's send and the registration's answer
   handler), next to etcd's own ``etcd_debugging_lease_renewed_total`` rate.
-* New watcher: a fresh ``RoutingTable(settings=...)`` (its own Connection and watcher)
+* New watcher: a fresh ``watch_table(settings)`` (its own Connection and watcher)
   from ``start()`` until it holds all N engines; best and worst of ``--watchers`` runs,
   while the fleet's keepalives go on.
 * Memory: in a separate process, tracemalloc's traced memory of a started table (its
@@ -48,7 +48,7 @@ from _common import (
     write_json,
 )
 
-from discovery import Connection, RegistrationState, RoutingTable, Settings, register_engine
+from discovery import Connection, RegistrationState, Settings, register_engine, watch_table
 
 NAMESPACE = "scale"
 WATCH_TARGETS = {1_000: 0.3, 10_000: 1.0, 50_000: 5.0}
@@ -180,7 +180,7 @@ def time_new_watcher(settings: Settings) -> tuple[float, int]:
     """
     gc.collect()
     t0 = time.perf_counter()
-    table = RoutingTable(settings=settings)
+    table = watch_table(settings)
     try:
         table.start()
         return time.perf_counter() - t0, len(table)
@@ -194,12 +194,12 @@ def memory_probe(url: str, queue) -> None:
 
     settings = Settings(endpoints=[url], namespace=NAMESPACE, dial_timeout=30)
     conn = Connection(settings)
-    conn.call(lambda c: c.status())  # channel and client built outside the measurement
+    conn.call(lambda: conn.get("/"))  # channel and client built outside the measurement
     gc.collect()
     rss0 = proc_rss_bytes(os.getpid())
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    table = RoutingTable(connection=conn)
+    table = watch_table(connection=conn)
     table.start()
     snapshot = table.snapshot()
     gc.collect()
@@ -383,7 +383,7 @@ def main() -> None:
                 f"fleet CPU over a {window_s:g} s steady window (100% = one core). Keepalives "
                 "counted in the workers (requests sent / responses handled) and by etcd "
                 "(`etcd_debugging_lease_renewed_total`). New watcher: a fresh "
-                f"`RoutingTable(settings=...)` from `start()` to all N engines, best/worst of "
+                f"`watch_table(settings)` from `start()` to all N engines, best/worst of "
                 f"{args.watchers}, with the fleet's keepalives running on the same 2 cores. "
                 "Memory: tracemalloc of a started table (watcher cache + table + one snapshot) "
                 "in a fresh process, per endpoint; and that process's RSS growth per endpoint."

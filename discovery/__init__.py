@@ -23,21 +23,30 @@ from ._errors import (
     PermissionDeniedError,
     RecordDecodeError,
 )
-from ._metrics import Metrics
+from ._metrics import Metrics, MetricsHooks
 from ._registration import (
     Registration,
     RegistrationHealth,
     RegistrationState,
     aregister_engine,
     default_engine_id,
+    deregister,
     register_dynamic_engine,
     register_engine,
 )
 from ._router import PickHandle, Router, RoutingPolicy
-from ._routing import RoutingSnapshot, RoutingTable
+from ._routing import RoutingTable, watch_table
 from ._settings import Settings
 from ._signals import deregister_on_signals
-from ._watcher import EndpointEvent, EndpointWatcher, EventType, WatcherHealth, WatcherState
+from ._store import EndpointEvent, EventType, RoutingSnapshot
+from ._watcher import (
+    EndpointWatcher,
+    EngineListing,
+    ListedEngine,
+    WatcherHealth,
+    WatcherState,
+    list_engines,
+)
 
 __version__ = "0.1.0"
 
@@ -52,6 +61,7 @@ __all__ = [
     "EndpointEvent",
     "EndpointWatcher",
     "EngineConflictError",
+    "EngineListing",
     "EngineRecord",
     "EtcdError",
     "EtcdUnavailableError",
@@ -60,7 +70,9 @@ __all__ = [
     "InferenceEngineEndpoint",
     "InvalidRecordError",
     "KeySpace",
+    "ListedEngine",
     "Metrics",
+    "MetricsHooks",
     "NoEngineAvailableError",
     "PermissionDeniedError",
     "PickHandle",
@@ -79,7 +91,10 @@ __all__ = [
     "__version__",
     "aregister_engine",
     "default_engine_id",
+    "deregister",
     "deregister_on_signals",
+    "list_engines",
     "register_dynamic_engine",
     "register_engine",
+    "watch_table",
 ]

@@ -1,5 +1,5 @@
 """``python -m discovery``: the same as the ``discovery`` command."""
 
-from ._cli import main
+from .cli import main
 
 raise SystemExit(main())

@@ -216,11 +216,12 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     stored_id = obj.get("engine_id", engine_id)
     if stored_id != engine_id:
         raise RecordDecodeError(key, f"engine_id {stored_id!r} does not match the key")
+    labels = obj.get("labels")  # null means none; false, [] or "" are bad labels
     try:
         return EngineRecord(
             engine_id=engine_id,
             endpoint=endpoint,
-            labels=obj.get("labels"),  # null means none; false, [] or "" are bad labels
+            labels=MappingProxyType({}) if labels is None else labels,
             registered_at=_parse_time(obj.get("registered_at")),
         )
     except (InvalidRecordError, ValueError, TypeError) as exc:

@@ -1,11 +1,13 @@
-"""The one place that builds etcd clients and decides how to use them.
+"""The python3-etcd3 adapter: the one implementation of the etcd port (``_port.py``).
 
-It knows nothing about engines. It owns:
+It is the only module that imports etcd3, gRPC or protobuf, and it knows nothing about
+engines. It owns:
 
 - building a python3-etcd3 ``MultiEndpointEtcd3Client`` with failover over every
   configured member, TLS and authentication;
 - the retry policy (tenacity: jittered exponential backoff, bounded by a deadline);
-- translating every gRPC / etcd3 error into discovery's exceptions, at one boundary;
+- translating every gRPC / etcd3 error into discovery's exceptions, at one boundary
+  (``translate``), so that nothing above it sees a client type;
 - guarding the client's known defects:
   * ``Endpoint.fail()`` benches a member for 300 s, even the only one, and then every
     call fails with NoServerAvailableError: ``_FailoverClient`` benches a failed member
@@ -13,7 +15,7 @@ It knows nothing about engines. It owns:
   * gRPC's reconnect backoff grows to 120 s: capped at 1 s so a restarted member is
     used again at once;
   * its watch thread dies silently on a stream error (``NameError: six``), never resumes
-    after an error and delivers events one by one: we do not use it. ``WatchStream``
+    after an error and delivers events one by one: we do not use it. ``_WatchStream``
     is a bidirectional Watch stream of our own on the client's channel, with a
     watchdog that asks etcd for progress and cancels the stream when it stays silent;
   * a member cut off from the rest of the cluster keeps serving an open watch from its
@@ -21,7 +23,7 @@ It knows nothing about engines. It owns:
     ``hasleader: true``, like etcd's ``WithRequireLeader``), so etcd refuses it on a
     member without a leader and ends it when its member loses the leader; that member
     is benched and the error is a ``NoLeaderError``;
-  * ``Lease.refresh()`` opens one stream per refresh: ``KeepAliveStream`` keeps one
+  * ``Lease.refresh()`` opens one stream per refresh: ``_KeepAliveStream`` keeps one
     stream for every lease of the connection;
   * an expired auth token: the client is rebuilt (re-authenticating) and the call retried;
   * with a username on a plaintext channel every call fails ("insufficient security level
@@ -36,8 +38,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import etcd3
@@ -62,6 +63,17 @@ from ._errors import (
     EtcdUnavailableError,
     PermissionDeniedError,
 )
+from ._port import (
+    PAGE_SIZE,
+    Compacted,
+    KeyValue,
+    NoLeaderError,
+    PutResult,
+    StreamSilentError,
+    WatchEvent,
+    WatchResponse,
+    explain,
+)
 from ._settings import Settings
 
 __all__ = ["Connection"]
@@ -69,9 +81,9 @@ __all__ = ["Connection"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_Client = Any  # etcd3.MultiEndpointEtcd3Client: the library ships no type information
 
 _FAILED_MEMBER_COOLDOWN = 5.0
-_PAGE_SIZE = 1000
 _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -107,31 +119,23 @@ _MEMBER_FAILURE_CODES = frozenset(
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
 _REQUIRE_LEADER = ("hasleader", "true")
-
-
-class Compacted(EtcdError):
-    """Internal: the revision asked for has been compacted away."""
-
-    def __init__(self, compact_revision: int) -> None:
-        super().__init__(f"revision compacted (oldest available: {compact_revision})")
-        self.compact_revision = compact_revision
-
-
-class StreamSilentError(EtcdUnavailableError):
-    """Internal: the watchdog dropped a stream that stopped answering."""
-
-
-class NoLeaderError(EtcdUnavailableError):
-    """Internal: etcd refused or ended a leader-required stream: its member has no leader."""
+_PUT = 0  # mvccpb.Event.EventType
 
 
 class _TokenExpired(Exception):
-    """Internal: etcd no longer accepts our auth token; rebuild the client."""
+    """etcd no longer accepts our auth token; the client was rebuilt."""
+
+
+class _TokenRejected(EtcdUnavailableError):
+    """Transient: the call is retried with a fresh token."""
+
+
+# -- error translation: the one boundary -------------------------------------------------
 
 
 def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
     """The gRPC error behind ``exc`` (etcd3 raises its own types from inside ``except``)."""
-    seen = exc
+    seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, grpc.RpcError) and hasattr(seen, "code"):
             return seen
@@ -142,7 +146,7 @@ def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
 def describe(exc: BaseException) -> str:
     """A one-line, secret-free description of a client error."""
     if isinstance(exc, DiscoveryError):
-        return str(exc)
+        return explain(exc)
     rpc = _rpc_error(exc)
     if rpc is not None:
         details = rpc.details() or ""
@@ -151,7 +155,7 @@ def describe(exc: BaseException) -> str:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying the same call later may succeed."""
+    """Whether retrying the same raw client call later may succeed."""
     if isinstance(exc, (_TokenExpired, *_TRANSIENT_ETCD3)):
         return True
     if isinstance(exc, ValueError) and "failed node" in str(exc):
@@ -160,7 +164,7 @@ def is_transient(exc: BaseException) -> bool:
     return rpc is not None and rpc.code() in _TRANSIENT_CODES
 
 
-def translate(exc: BaseException, endpoints: tuple[str, ...] = ()) -> DiscoveryError:
+def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryError:
     """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``)."""
     if isinstance(exc, DiscoveryError):
         return exc
@@ -170,22 +174,14 @@ def translate(exc: BaseException, endpoints: tuple[str, ...] = ()) -> DiscoveryE
     if code in _AUTH_CODES or "authentication failed" in what or "user name is empty" in what:
         return PermissionDeniedError(f"etcd refused the request: {what}")
     if isinstance(exc, _TokenExpired):
-        return PermissionDeniedError("etcd keeps rejecting the auth token")
+        return _TokenRejected("etcd rejected the auth token; authenticating again", what)
     if is_transient(exc):
         where = ", ".join(endpoints) or "etcd"
         hint = ""
         if any(word in what.lower() for word in ("ssl", "handshake", "certificate", "tls")):
             hint = " (TLS failed: check ca_cert, and cert/key when etcd requires client certs)"
-        return EtcdUnavailableError(f"etcd unavailable at {where}: {what}{hint}")
+        return EtcdUnavailableError(f"etcd unavailable at {where}: {what}{hint}", what)
     return EtcdError(f"etcd request failed: {what}")
-
-
-def explain(exc: BaseException) -> str:
-    """The cause to show in health and logs.
-
-    A transient error as gRPC reported it; any other as discovery raises it.
-    """
-    return describe(exc) if is_transient(exc) else str(translate(exc))
 
 
 def _token_expired(exc: BaseException) -> bool:
@@ -206,7 +202,11 @@ def _log_retry(state: RetryCallState) -> None:
         )
 
 
-class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
+def _key_value(kv: Any) -> KeyValue:
+    return KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+
+
+class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
     """python3-etcd3's client with a member choice that never locks us out.
 
     Upstream keeps using the current member until it fails, then benches it for
@@ -220,7 +220,8 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
     def channel(self) -> grpc.Channel:
         current = self.endpoint_in_use
         if not current.is_failed():
-            return current.use()
+            channel: grpc.Channel = current.use()
+            return channel
         healthy = [label for label, ep in self.endpoints.items() if not ep.is_failed()]
         if healthy:
             label = random.choice(healthy)
@@ -228,37 +229,29 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
             label = min(self.endpoints, key=lambda name: self.endpoints[name].last_failed)
             self.endpoints[label].last_failed = 0  # try it now; a new failure benches it
         self._current_endpoint_label = label
-        return self.endpoints[label].use()
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from etcd."""
-
-    key: bytes
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
+        channel = self.endpoints[label].use()
+        return channel
 
 
 class Connection:
     """A failover etcd client with retries, error translation and defect guards.
 
-    Thread-safe: registrations, watchers and user threads share one Connection.
+    The python3-etcd3 implementation of the etcd port. Thread-safe: registrations,
+    watchers and user threads share one Connection. Every method below makes one
+    attempt and raises discovery's exceptions; ``call`` retries transient failures.
     """
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         self._lock = threading.Lock()
-        self._client: etcd3.MultiEndpointEtcd3Client | None = None
+        self._client: _Client | None = None
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
 
     # -- client lifecycle -------------------------------------------------------------
 
-    def client(self) -> etcd3.MultiEndpointEtcd3Client:
-        """The current python3-etcd3 client, built (and authenticated) on first use."""
+    def _current(self) -> _Client:
+        """The python3-etcd3 client, built (and authenticated) on first use."""
         with self._lock:
             if self._closed:
                 raise ClosedError("connection is closed")
@@ -266,7 +259,7 @@ class Connection:
                 self._client = self._build_client()
             return self._client
 
-    def _build_client(self) -> etcd3.MultiEndpointEtcd3Client:
+    def _build_client(self) -> _Client:
         s = self.settings
         creds = None
         if s.secure:
@@ -307,11 +300,16 @@ class Connection:
             client.call_credentials = None
         return client
 
-    def _reset_client(self, broken: etcd3.MultiEndpointEtcd3Client) -> None:
+    def _reset_client(self, broken: _Client) -> None:
         with self._lock:
             if self._client is broken:
                 self._client = None
         broken.close()
+
+    @property
+    def member_in_use(self) -> str:
+        """``host:port`` of the member calls go to now."""
+        return str(self._current().endpoint_in_use.netloc)
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` when the connection closes, before its channels do."""
@@ -345,46 +343,41 @@ class Connection:
 
     # -- calls --------------------------------------------------------------------------
 
-    def attempt(self, op: Callable[[etcd3.MultiEndpointEtcd3Client], T]) -> T:
-        """Run ``op`` once against the current client; raw client errors propagate.
-
-        An expired auth token rebuilds the client and surfaces as a transient error.
-        """
-        client = self.client()
+    def _attempt(self, op: Callable[[_Client], T]) -> T:
+        """Run ``op`` once on the client; every failure leaves as a DiscoveryError."""
+        client = None
         try:
+            client = self._current()  # building it authenticates: that may fail too
             return op(client)
-        except Exception as exc:
-            if _token_expired(exc):
-                self._reset_client(client)
-                raise _TokenExpired() from exc
+        except DiscoveryError:
             raise
+        except Exception as exc:
+            if client is not None and _token_expired(exc):
+                self._reset_client(client)
+                raise translate(_TokenExpired(), self.settings.endpoints) from exc
+            raise translate(exc, self.settings.endpoints) from exc
 
-    def call(
-        self,
-        op: Callable[[etcd3.MultiEndpointEtcd3Client], T],
-        *,
-        timeout: float | None = None,
-    ) -> T:
+    def call(self, op: Callable[[], T], *, timeout: float | None = None) -> T:
         """Run ``op`` with retries of transient failures for up to ``timeout`` seconds.
 
         The default timeout is ``settings.dial_timeout``. Raises a DiscoveryError.
         """
         retrying = Retrying(
-            retry=retry_if_exception(lambda e: is_transient(e) and not self._closed),
+            retry=retry_if_exception(
+                lambda e: isinstance(e, EtcdUnavailableError) and not self._closed
+            ),
             wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
             stop=stop_after_delay(self.settings.dial_timeout if timeout is None else timeout),
             before_sleep=_log_retry,
             reraise=True,
         )
         try:
-            return retrying(self.attempt, op)
-        except DiscoveryError:
-            raise
-        except Exception as exc:
-            raise translate(exc, self.settings.endpoints) from exc
+            return retrying(op)
+        except _TokenRejected as exc:
+            raise PermissionDeniedError("etcd keeps rejecting the auth token") from exc
 
     def list_prefix(
-        self, prefix: str, *, page_size: int = _PAGE_SIZE, timeout: float | None = None
+        self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
     ) -> tuple[int, list[KeyValue]]:
         """Read every key under ``prefix`` at one revision, in pages; return (revision, kvs).
 
@@ -406,41 +399,109 @@ class Connection:
         revision = 0
         found: list[KeyValue] = []
 
-        def read_page(client: etcd3.MultiEndpointEtcd3Client, start: bytes) -> Any:
-            try:
-                return client.get_range_response(
-                    start, end, limit=page_size, revision=revision or None
-                )
-            except grpc.RpcError as exc:
-                if _compacted(exc):
-                    raise Compacted(0) from exc
-                raise
+        def read_page() -> Any:
+            def read(client: _Client) -> Any:
+                try:
+                    return client.get_range_response(
+                        start, end, limit=page_size, revision=revision or None
+                    )
+                except grpc.RpcError as exc:
+                    if _compacted(exc):
+                        raise Compacted(0) from exc
+                    raise
+
+            return self._attempt(read)
 
         while True:
-            page = self.call(lambda c, start=start: read_page(c, start), timeout=timeout)
+            page = self.call(read_page, timeout=timeout)
             if not revision:
                 revision = page.header.revision
-            found.extend(
-                KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
-                for kv in page.kvs
-            )
+            found.extend(map(_key_value, page.kvs))
             if not page.more or not page.kvs:
                 return revision, found
             start = page.kvs[-1].key + b"\0"
 
+    def get(self, key: str) -> KeyValue | None:
+        """The key, or None."""
+        kvs = self._attempt(lambda c: c.get_response(key).kvs)
+        return _key_value(kvs[0]) if kvs else None
+
+    def grant(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds; its id."""
+        return int(self._attempt(lambda c: c.lease(ttl).id))
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """The lease's remaining TTL in seconds; <= 0 when it no longer exists."""
+        return int(self._attempt(lambda c: c.get_lease_info(lease_id).TTL))
+
+    def revoke(self, lease_id: int) -> None:
+        """Revoke a lease; one that no longer exists (it expired) is revoked already."""
+
+        def revoke(client: _Client) -> None:
+            try:
+                client.revoke_lease(lease_id)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+        self._attempt(revoke)
+
+    def create(self, key: str, value: bytes, lease_id: int) -> PutResult:
+        """Put ``value`` on ``lease_id`` only if ``key`` does not exist."""
+        return self._put(key, value, lease_id, lambda txn: [txn.version(key) == 0])
+
+    def replace(self, key: str, value: bytes, lease_id: int) -> PutResult:
+        """Put ``value`` on ``lease_id`` whatever the key holds."""
+        return self._put(key, value, lease_id, lambda txn: [])
+
+    def update(self, key: str, value: bytes, lease_id: int, *, mod_revision: int) -> PutResult:
+        """Put ``value`` only if the key was last written at ``mod_revision``."""
+        return self._put(key, value, lease_id, lambda txn: [txn.mod(key) == mod_revision])
+
+    def _put(
+        self, key: str, value: bytes, lease_id: int, compare: Callable[[Any], list[Any]]
+    ) -> PutResult:
+        def transact(client: _Client) -> PutResult:
+            txn = client.transactions
+            ok, responses = client.transaction(
+                compare=compare(txn),
+                success=[txn.put(key, value, lease_id, prev_kv=True)],
+                failure=[txn.get(key)],
+            )
+            if not ok:
+                found = responses[0]
+                current = found[0][1] if found else None
+                return PutResult(
+                    False,
+                    current.response_header.revision if current else 0,
+                    KeyValue(
+                        current.key,
+                        found[0][0],
+                        current.mod_revision,
+                        current.create_revision,
+                        current.lease_id,
+                    )
+                    if current
+                    else None,
+                )
+            put = responses[0].response_put
+            previous = _key_value(put.prev_kv) if put.prev_kv.key else None
+            return PutResult(True, put.header.revision, previous)
+
+        return self._attempt(transact)
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        return bool(self._attempt(lambda c: c.delete(key)))
+
     # -- streams --------------------------------------------------------------------------
 
     def open_watch(
-        self,
-        prefix: str,
-        start_revision: int,
-        *,
-        heartbeat: float = 5.0,
-        progress_interval: float = 1.0,
-    ) -> WatchStream:
+        self, prefix: str, start_revision: int, *, heartbeat: float, progress_interval: float
+    ) -> _WatchStream:
         """Open a leader-required watch of ``prefix`` from ``start_revision`` (inclusive)."""
-        return self.attempt(
-            lambda c: WatchStream(
+        return self._attempt(
+            lambda c: _WatchStream(
                 c,
                 self._reset_client,
                 prefix,
@@ -450,9 +511,9 @@ class Connection:
             )
         )
 
-    def open_keepalive(self) -> KeepAliveStream:
+    def open_keepalive(self) -> _KeepAliveStream:
         """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
-        return self.attempt(lambda c: KeepAliveStream(c, self._reset_client))
+        return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
 
 
 def _read(path: str | None) -> bytes | None:
@@ -470,11 +531,7 @@ class _Stream:
     here, so the next stream fails over to another member.
     """
 
-    def __init__(
-        self,
-        client: etcd3.MultiEndpointEtcd3Client,
-        on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
-    ) -> None:
+    def __init__(self, client: _Client, on_token_expired: Callable[[_Client], None]) -> None:
         self._client = client
         self._on_token_expired = on_token_expired
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -502,22 +559,26 @@ class _Stream:
         except grpc.RpcError as exc:
             if exc.code() in _MEMBER_FAILURE_CODES:
                 self._member.fail()
-                if "no leader" in (exc.details() or ""):
-                    raise NoLeaderError(
-                        f"etcd member {self._member.netloc} has no leader (cut off from the "
-                        f"rest of the cluster, or electing one): {describe(exc)}"
-                    ) from exc
             elif _token_expired(exc):
                 # A stream opened with a stale token (etcd restarted, or the token idled
                 # out): authenticate again before the next stream.
                 self._on_token_expired(self._client)
-            raise
+            raise self._translated(exc) from exc
+
+    def _translated(self, exc: grpc.RpcError) -> DiscoveryError:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and "no leader" in (exc.details() or ""):
+            return NoLeaderError(
+                f"etcd member {self._member.netloc} has no leader (cut off from the rest of "
+                f"the cluster, or electing one): {describe(exc)}",
+                f"member {self._member.netloc} has no leader",
+            )
+        return translate(exc)
 
     def send(self, request: Any) -> None:
         self._requests.put(request)
 
     def cancel(self) -> None:
-        """End the stream; a reader blocked on it gets a CANCELLED error."""
+        """End the stream; a reader blocked on it gets an error."""
         self._requests.put(None)
         if self._call is not None:
             self._call.cancel()
@@ -528,21 +589,20 @@ class _Stream:
         self.cancel()
 
 
-class WatchStream(_Stream):
+class _WatchStream(_Stream):
     """One etcd Watch of a key prefix, guarded against silent death.
 
-    Iterate it for raw ``WatchResponse`` messages (all events of one revision arrive in
-    one response). A watchdog thread sends a progress request whenever the stream has
-    been quiet for ``progress_interval`` seconds (at most one per interval: each answer
-    proves the member still has a leader) and cancels the stream when nothing has
-    arrived for two ``heartbeat`` s, so a dead stream always ends in an error instead of
-    hanging.
+    Iterate it for ``WatchResponse`` values (all events of one revision arrive in one
+    response). A watchdog thread sends a progress request whenever the stream has been
+    quiet for ``progress_interval`` seconds (at most one per interval: each answer proves
+    the member still has a leader) and cancels the stream when nothing has arrived for
+    two ``heartbeat`` s, so a dead stream always ends in an error instead of hanging.
     """
 
     def __init__(
         self,
-        client: etcd3.MultiEndpointEtcd3Client,
-        on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
+        client: _Client,
+        on_token_expired: Callable[[_Client], None],
         prefix: str,
         start_revision: int,
         *,
@@ -580,8 +640,17 @@ class WatchStream(_Stream):
                 self._last_asked = now
                 self.send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
 
-    def __iter__(self) -> Iterator[Any]:
-        """Yield WatchResponses; raise Compacted, or the stream's error when it ends."""
+    def _translated(self, exc: grpc.RpcError) -> DiscoveryError:
+        if self.silent:
+            return StreamSilentError(
+                f"watch stream silent for {2 * self._heartbeat:g} s (no answer to progress "
+                "requests); reconnecting",
+                "silent stream",
+            )
+        return super()._translated(exc)
+
+    def __iter__(self) -> Iterator[WatchResponse]:
+        """Yield responses; raise Compacted, or the stream's error when it ends."""
         try:
             for response in self._responses():
                 self._last_seen = time.monotonic()
@@ -589,17 +658,16 @@ class WatchStream(_Stream):
                     raise Compacted(response.compact_revision)
                 if response.canceled:
                     raise self._cancelled(response.cancel_reason)
-                yield response
+                yield WatchResponse(
+                    response.header.revision,
+                    tuple(
+                        WatchEvent(_key_value(event.kv), event.type == _PUT)
+                        for event in response.events
+                    ),
+                )
                 # Time spent by the consumer is not the stream's silence.
                 self._last_seen = time.monotonic()
-            raise EtcdUnavailableError("watch stream closed by etcd")
-        except grpc.RpcError as exc:
-            if self.silent:
-                raise StreamSilentError(
-                    f"watch stream silent for {2 * self._heartbeat:g} s (no answer to progress "
-                    "requests); reconnecting"
-                ) from exc
-            raise
+            raise EtcdUnavailableError("watch stream closed by etcd", "stream closed")
         finally:
             self.close()
 
@@ -619,14 +687,10 @@ class WatchStream(_Stream):
         self.cancel()
 
 
-class KeepAliveStream(_Stream):
+class _KeepAliveStream(_Stream):
     """One LeaseKeepAlive stream: ``send_keepalive(id)``, iterate for (lease id, ttl)."""
 
-    def __init__(
-        self,
-        client: etcd3.MultiEndpointEtcd3Client,
-        on_token_expired: Callable[[etcd3.MultiEndpointEtcd3Client], None],
-    ) -> None:
+    def __init__(self, client: _Client, on_token_expired: Callable[[_Client], None]) -> None:
         super().__init__(client, on_token_expired)
         self._open(etcdrpc.LeaseStub(self._channel).LeaseKeepAlive)
 

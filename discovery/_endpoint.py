@@ -145,7 +145,7 @@ class InferenceEngineCapabilities:
 
 def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
     # An unknown value, of any type, raises ValueError from the enum lookup.
-    return None if policy is None else PrefixCachingCoordinatorPolicy(policy)
+    return None if policy is None else PrefixCachingCoordinatorPolicy(policy)  # type: ignore[arg-type]
 
 
 def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | None:

@@ -57,7 +57,14 @@ class EtcdError(DiscoveryError):
 
 
 class EtcdUnavailableError(EtcdError):
-    """No etcd member answered in time, after retries."""
+    """No etcd member answered in time, after retries: a transient failure.
+
+    ``reason`` is the short cause as the client reported it (for health and logs).
+    """
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class PermissionDeniedError(EtcdError):

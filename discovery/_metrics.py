@@ -2,8 +2,9 @@
 
 Nothing is registered anywhere unless a caller builds a ``Metrics`` on a
 ``prometheus_client.CollectorRegistry`` and hands it to ``register_engine``,
-``EndpointWatcher``, ``RoutingTable`` or ``Router`` (``metrics=``). Components given no
-``Metrics`` use ``NO_METRICS``, whose methods do nothing.
+``EndpointWatcher``, ``RoutingTable`` or ``Router`` (``metrics=``). Components call the
+hooks of ``MetricsHooks``, a typed protocol (a misspelled hook is a type error); given
+no ``Metrics`` they use ``NO_METRICS``, whose hooks do nothing.
 
 Names follow Prometheus conventions: ``discovery_`` prefix, ``_total`` counters, seconds.
 Labels stay bounded: ``engine_id`` (engines this process registers or routes to),
@@ -17,31 +18,99 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["NO_METRICS", "Metrics"]
+__all__ = ["NO_METRICS", "Metrics", "MetricsHooks"]
 
 _REGISTRATION_STATES = ("registering", "registered", "lost", "closed")
 
 
-class _NoMetrics:
-    """Accepts every Metrics call and does nothing."""
+class MetricsHooks(Protocol):
+    """What discovery's components report; ``Metrics`` exports it to Prometheus.
 
-    def __getattr__(self, name: str) -> Any:
-        return _ignore
+    Every hook does nothing by default: subclass it to send some figures elsewhere.
+    """
+
+    def registration_state(self, engine_id: str, state: str) -> None:
+        """A registration changed state (``closed``: forget it)."""
+        return None
+
+    def lease_granted(self) -> None:
+        """A lease was granted."""
+        return None
+
+    def keepalive_ok(self, engine_id: str) -> None:
+        """A keepalive of ``engine_id`` was answered."""
+        return None
+
+    def keepalive_failed(self) -> None:
+        """A keepalive could not be sent or went unanswered."""
+        return None
+
+    def reregistered(self) -> None:
+        """A record was written again after a loss."""
+        return None
+
+    def revoked(self, seconds: float) -> None:
+        """A lease was revoked on close, taking ``seconds``."""
+        return None
+
+    def watcher_connected(self, prefix: str, connected: bool) -> None:
+        """The watch stream of ``prefix`` went up or down."""
+        return None
+
+    def watcher_reconnect(self, prefix: str, cause: str) -> None:
+        """A watch reconnected: ``stream_error``, ``compaction``, ``timeout``, ``no_leader``."""
+        return None
+
+    def watcher_relist(self, prefix: str, cause: str) -> None:
+        """A watch listed its prefix again."""
+        return None
+
+    def events_applied(self, prefix: str, types: Iterator[str], seconds: float) -> None:
+        """Events of these types were applied, taking ``seconds``."""
+        return None
+
+    def malformed_value(self, prefix: str) -> None:
+        """A value under ``prefix`` did not decode."""
+        return None
+
+    def watcher_revision(self, prefix: str, applied: int, newest: int) -> None:
+        """The revision applied, and the newest one seen."""
+        return None
+
+    def picked(self, policy: str) -> None:
+        """A router picked an engine with ``policy``."""
+        return None
+
+    def no_engine(self) -> None:
+        """A pick found no engine."""
+        return None
+
+    def observe_router(self, router: Any) -> None:
+        """Read ``router``'s in-flight requests at scrape time."""
+        return None
+
+    def observe_table(self, table: Any) -> None:
+        """Read ``table``'s size at scrape time."""
+        return None
+
+    def observe_watcher(self, watcher: Any) -> None:
+        """Read ``watcher``'s staleness at scrape time."""
+        return None
 
 
-def _ignore(*args: object, **kwargs: object) -> None:
-    return None
+class NoMetrics(MetricsHooks):
+    """Every hook of ``MetricsHooks``, doing nothing."""
 
 
-NO_METRICS: Any = _NoMetrics()
+NO_METRICS: MetricsHooks = NoMetrics()
 
 
-class Metrics:
+class Metrics(MetricsHooks):
     """discovery's Prometheus metrics, registered in ``registry``.
 
     Build one per registry and pass it as ``metrics=`` to the objects to observe.

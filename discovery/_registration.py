@@ -38,20 +38,19 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-import etcd3
-import grpc
-
 from ._codec import EngineRecord, encode, validate_engine_id
-from ._connection import Connection, KeepAliveStream, describe, explain, is_transient
+from ._connection import Connection
 from ._dispatch import Dispatcher, Listeners
 from ._endpoint import DynamicEngineLike, InferenceEngineEndpoint
 from ._errors import (
     ClosedError,
     DiscoveryError,
     EngineConflictError,
+    EtcdUnavailableError,
     InvalidRecordError,
 )
-from ._metrics import NO_METRICS, Metrics
+from ._metrics import NO_METRICS, MetricsHooks
+from ._port import EtcdPort, KeepAliveStream, explain
 from ._settings import Settings
 
 __all__ = [
@@ -60,6 +59,7 @@ __all__ = [
     "RegistrationState",
     "aregister_engine",
     "default_engine_id",
+    "deregister",
     "register_dynamic_engine",
     "register_engine",
 ]
@@ -117,7 +117,7 @@ def default_engine_id() -> str:
 class _Keeper:
     """Keeps every lease of one Connection alive from one thread and one stream."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: EtcdPort) -> None:
         self._conn = connection
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Registration]] = []
@@ -187,7 +187,7 @@ class _Keeper:
             try:
                 stream = self._conn.open_keepalive()
             except Exception as exc:
-                log.warning("cannot open lease keepalive stream: %s", describe(exc))
+                log.warning("cannot open lease keepalive stream: %s", explain(exc))
                 return None
             self._stream = stream
             threading.Thread(
@@ -217,7 +217,7 @@ class _Keeper:
                     reg._keepalive_answered(self, lease_id, ttl)
         except Exception as exc:
             if not self._stopped:
-                log.warning("lease keepalive stream ended: %s", describe(exc))
+                log.warning("lease keepalive stream ended: %s", explain(exc))
         finally:
             if self._stream is stream:
                 self._stream = None
@@ -254,11 +254,11 @@ class _Keeper:
         self.dispatcher.stop()
 
 
-_keepers: weakref.WeakKeyDictionary[Connection, _Keeper] = weakref.WeakKeyDictionary()
+_keepers: weakref.WeakKeyDictionary[EtcdPort, _Keeper] = weakref.WeakKeyDictionary()
 _keepers_lock = threading.Lock()
 
 
-def _keeper_for(connection: Connection) -> _Keeper:
+def _keeper_for(connection: EtcdPort) -> _Keeper:
     with _keepers_lock:
         keeper = _keepers.get(connection)
         if keeper is None:
@@ -281,9 +281,9 @@ class Registration:
         record: EngineRecord,
         *,
         ttl: float,
-        connection: Connection,
+        connection: EtcdPort,
         owns_connection: bool,
-        metrics: Metrics | None = None,
+        metrics: MetricsHooks | None = None,
     ) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise InvalidRecordError(f"ttl must be a positive number of seconds, got {ttl!r}")
@@ -374,7 +374,7 @@ class Registration:
     def _start(self, *, replace: bool) -> None:
         """Write the record (retrying until settings.dial_timeout), then hand it to the keeper."""
         try:
-            self._conn.call(lambda client: self._write(client, replace=replace))
+            self._conn.call(lambda: self._write(replace=replace))
         except BaseException:
             self._set_state(RegistrationState.CLOSED)
             if self._owns_connection:
@@ -431,7 +431,7 @@ class Registration:
         try:
             if lease_id is not None:
                 started = time.monotonic()
-                self._conn.call(lambda client: _revoke(client, lease_id), timeout=timeout)
+                self._conn.call(lambda: self._conn.revoke(lease_id), timeout=timeout)
                 self._metrics.revoked(time.monotonic() - started)
                 log.info("deregistered %s (lease %016x revoked)", self.engine_id, lease_id)
         except DiscoveryError as exc:
@@ -482,30 +482,31 @@ class Registration:
 
     # -- etcd operations (run on the caller's thread at start, then on the keeper) -----
 
-    def _write(self, client: etcd3.MultiEndpointEtcd3Client, *, replace: bool) -> None:
+    def _write(self, *, replace: bool) -> None:
         """Put the record on a live lease: the current one if it survived, else a new one.
 
         When the lease survived and the key is still on it, nothing was lost in etcd:
         the record is left alone (watchers see no ``updated`` churn after a stall).
         """
+        conn = self._conn
         previous = self._lease_id
-        remaining = client.get_lease_info(previous).TTL if previous is not None else 0
+        remaining = conn.lease_ttl(previous) if previous is not None else 0
         started = time.monotonic()
         if remaining > 0 and not self._dirty:
-            _, meta = client.get(self.key)
-            if meta is not None and meta.lease_id == previous:
+            current = conn.get(self.key)
+            if current is not None and current.lease == previous:
                 with self._lock:
                     self._deadline = started + remaining
                     self._awaiting = None
                 return
-        lease_id = previous if remaining > 0 else client.lease(self.ttl).id
+        lease_id = previous if previous is not None and remaining > 0 else conn.grant(self.ttl)
         record = _stamped(self._record)
         try:
-            revision = self._put(client, lease_id, encode(record), replace=replace)
+            revision = self._put(lease_id, encode(record), replace=replace)
         except BaseException:
             if lease_id != previous:
-                with contextlib.suppress(Exception):
-                    client.revoke_lease(lease_id)
+                with contextlib.suppress(DiscoveryError):
+                    conn.revoke(lease_id)
             raise
         with self._lock:
             self._lease_id = lease_id
@@ -521,55 +522,45 @@ class Registration:
         if self._keeper is not None and previous != lease_id:
             self._keeper.track_lease(self, previous, lease_id)
 
-    def _put(
-        self, client: etcd3.MultiEndpointEtcd3Client, lease_id: int, value: bytes, *, replace: bool
-    ) -> int:
+    def _put(self, lease_id: int, value: bytes, *, replace: bool) -> int:
         """Write ``value`` on ``lease_id`` unless another live lease holds the key.
 
         Returns the revision of the write. The key counts as ours when it is on this
         lease or on our previous one (which may still be expiring after an outage).
         """
-        txn = client.transactions
-        put = txn.put(self.key, value, lease_id, prev_kv=True)
-        compare = [] if replace else [txn.version(self.key) == 0]
-        ok, responses = client.transaction(
-            compare=compare, success=[put], failure=[txn.get(self.key)]
-        )
-        if not ok:
-            found = responses[0][0][1]
-            holder = found.lease_id
+        conn = self._conn
+        result = (conn.replace if replace else conn.create)(self.key, value, lease_id)
+        if not result.succeeded:
+            found = result.previous
+            if found is None:  # deleted since: try again
+                return self._put(lease_id, value, replace=replace)
+            holder = found.lease
             if not holder or holder not in (lease_id, self._lease_id):
-                remaining = client.get_lease_info(holder).TTL if holder else -1
+                remaining = conn.lease_ttl(holder) if holder else -1
                 raise EngineConflictError(self.engine_id, self.key, holder, remaining)
-            ok, responses = client.transaction(
-                compare=[txn.mod(self.key) == found.mod_revision], success=[put], failure=[]
-            )
-            if not ok:  # changed between the two transactions: look again
-                return self._put(client, lease_id, value, replace=replace)
-        response = responses[0].response_put
-        holder = response.prev_kv.lease if response.prev_kv.key else 0
+            result = conn.update(self.key, value, lease_id, mod_revision=found.mod_revision)
+            if not result.succeeded:  # changed between the two transactions: look again
+                return self._put(lease_id, value, replace=replace)
+        holder = result.previous.lease if result.previous is not None else 0
         if holder and holder != lease_id:
             # The previous holder (someone we replaced, or our own expiring lease) goes.
-            _revoke(client, holder)
+            conn.revoke(holder)
             if holder != self._lease_id:
                 log.warning("%s: replaced the record held by lease %016x", self.engine_id, holder)
-        return response.header.revision
+        return result.revision
 
-    def _publish(self, client: etcd3.MultiEndpointEtcd3Client) -> None:
+    def _publish(self) -> None:
         """Write the current record over our own key only (mod revision unchanged)."""
         with self._lock:
             record, lease_id, mod = self._record, self._lease_id, self._mod_revision
-        txn = client.transactions
-        ok, responses = client.transaction(
-            compare=[txn.mod(self.key) == mod],
-            success=[txn.put(self.key, encode(record), lease_id)],
-            failure=[],
-        )
-        if not ok:
+        if lease_id is None:
+            return
+        result = self._conn.update(self.key, encode(record), lease_id, mod_revision=mod)
+        if not result.succeeded:
             self._lose("the key was changed or deleted by someone else")
             return
         with self._lock:
-            self._mod_revision = responses[0].response_put.header.revision
+            self._mod_revision = result.revision
             if self._record is record:
                 self._dirty = False
 
@@ -621,9 +612,9 @@ class Registration:
             at = now + _RETRY_MAX
         if self._dirty:
             try:
-                self._conn.attempt(self._publish)
-            except Exception as exc:
-                log.warning("%s: publishing update failed: %s", self.engine_id, describe(exc))
+                self._publish()
+            except DiscoveryError as exc:
+                log.warning("%s: publishing update failed: %s", self.engine_id, explain(exc))
         keeper.schedule(self, min(at, max(now, self._deadline)))
 
     def _keepalive_answered(self, keeper: _Keeper, lease_id: int, ttl: int) -> None:
@@ -648,8 +639,8 @@ class Registration:
 
     def _recover(self, keeper: _Keeper) -> None:
         try:
-            self._conn.attempt(lambda client: self._write(client, replace=False))
-        except Exception as exc:
+            self._write(replace=False)
+        except DiscoveryError as exc:
             reason = explain(exc)
             with self._lock:
                 self._last_error = reason
@@ -657,7 +648,7 @@ class Registration:
                 self._retry_delay = min(_RETRY_MAX, delay * 2)
             if isinstance(exc, EngineConflictError):
                 delay = self._interval  # someone else holds the id: no need to hurry
-            if not is_transient(exc):
+            if not isinstance(exc, EtcdUnavailableError):
                 log.warning("%s: cannot register again: %s", self.engine_id, reason)
             keeper.schedule(self, time.monotonic() + random.uniform(delay / 2, delay))
             return
@@ -668,15 +659,6 @@ class Registration:
         self._set_state(RegistrationState.REGISTERED)
         # A surviving lease may be close to its end: renew it at once.
         keeper.schedule(self, time.monotonic())
-
-
-def _revoke(client: etcd3.MultiEndpointEtcd3Client, lease_id: int) -> None:
-    """Revoke a lease; one that no longer exists (it expired) is revoked already."""
-    try:
-        client.revoke_lease(lease_id)
-    except grpc.RpcError as exc:
-        if exc.code() != grpc.StatusCode.NOT_FOUND:
-            raise
 
 
 def _stamped(record: EngineRecord) -> EngineRecord:
@@ -703,7 +685,7 @@ def register_engine(
     settings: Settings | None = None,
     connection: Connection | None = None,
     replace: bool = False,
-    metrics: Metrics | None = None,
+    metrics: MetricsHooks | None = None,
 ) -> Registration:
     """Register ``endpoint`` in etcd under a lease and keep it alive until closed.
 
@@ -750,6 +732,36 @@ def register_dynamic_engine(
         coordinator_address, engine, logical_data_parallel_size=logical_data_parallel_size
     )
     return register_engine(endpoint, **kwargs)
+
+
+def deregister(
+    engine_id: str,
+    settings: Settings | None = None,
+    *,
+    connection: Connection | None = None,
+) -> int | None:
+    """Remove an engine's record from outside its process (an operator's action).
+
+    Revokes the lease the record is bound to (deleting it and every other key on that
+    lease), or deletes the key when it has no lease. Returns the revoked lease id, 0 when
+    the key had no lease, or None when no such engine is registered. A live registrar
+    writes its record again (that is its self-healing): stop the engine to remove it for
+    good. Uses ``connection`` if given, else one built from ``settings``.
+    """
+    conn = connection if connection is not None else Connection(settings)
+    key = conn.settings.keyspace.key(engine_id)
+    try:
+        found = conn.call(lambda: conn.get(key))
+        if found is None:
+            return None
+        if found.lease:
+            conn.call(lambda: conn.revoke(found.lease))
+        else:
+            conn.call(lambda: conn.delete(key))
+        return found.lease
+    finally:
+        if connection is None:
+            conn.close()
 
 
 async def aregister_engine(endpoint: InferenceEngineEndpoint, **kwargs: Any) -> Registration:

@@ -72,8 +72,9 @@ from types import MappingProxyType
 
 from ._codec import EngineRecord, RecordView
 from ._errors import NoEngineAvailableError
-from ._metrics import NO_METRICS, Metrics
-from ._routing import RoutingSnapshot, RoutingTable
+from ._metrics import NO_METRICS, MetricsHooks
+from ._routing import RoutingTable
+from ._store import RoutingSnapshot
 
 __all__ = ["PickHandle", "Router", "RoutingPolicy"]
 
@@ -327,7 +328,7 @@ class Router:
         selector: Mapping[str, str] | None = None,
         load_gap: float = DEFAULT_LOAD_GAP,
         prefix_index_blocks: int = DEFAULT_PREFIX_INDEX_BLOCKS,
-        metrics: Metrics | None = None,
+        metrics: MetricsHooks | None = None,
     ) -> None:
         try:
             self._policy = RoutingPolicy(policy)

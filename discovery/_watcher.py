@@ -31,7 +31,7 @@ The informer pattern, adapted to etcd. What a consumer may rely on:
   ``progress_interval`` of quiet); ``health().stale`` says it exceeds ``stale_after``
   (see ``discovery._staleness`` for the default and the bound it gives). When no member
   with a leader answers, the watcher keeps its last table (fail-static) and says so in
-  ``health()``, ``discovery_watcher_staleness_seconds`` and a WARNING log.
+  ``health()``, snapshots, ``discovery_watcher_staleness_seconds`` and a WARNING log.
 """
 
 from __future__ import annotations
@@ -46,63 +46,48 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from types import MappingProxyType
-from typing import Any, Protocol
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
 from ._codec import EngineRecord, KeySpace, RecordView
-from ._connection import (
+from ._connection import Connection
+from ._dispatch import Dispatcher
+from ._errors import (
+    ClosedError,
+    ConfigurationError,
+    DiscoveryError,
+    EtcdUnavailableError,
+    RecordDecodeError,
+)
+from ._metrics import NO_METRICS, MetricsHooks
+from ._port import (
     Compacted,
-    Connection,
+    EtcdPort,
+    KeyValue,
     NoLeaderError,
     StreamSilentError,
+    WatchEvent,
     WatchStream,
     explain,
-    translate,
 )
-from ._dispatch import Dispatcher
-from ._errors import ClosedError, ConfigurationError, EtcdUnavailableError, RecordDecodeError
-from ._metrics import NO_METRICS, Metrics
 from ._settings import Settings
 from ._staleness import Freshness, default_stale_after
+from ._store import Batch, Change, EndpointEvent, EngineStore, Entry
 
-__all__ = ["EndpointEvent", "EndpointWatcher", "EventType", "WatcherHealth", "WatcherState"]
+__all__ = [
+    "EndpointWatcher",
+    "EngineListing",
+    "ListedEngine",
+    "WatcherHealth",
+    "WatcherState",
+    "list_engines",
+]
 
 log = logging.getLogger(__name__)
 
-_PUT = 0  # etcd mvccpb.Event.EventType
 _HEALTHY_AFTER = 10.0  # a stream that lived this long restarts the backoff from scratch
-
-
-class EventType(enum.StrEnum):
-    """What happened to an engine."""
-
-    ADDED = "added"
-    UPDATED = "updated"
-    REMOVED = "removed"
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointEvent(RecordView):
-    """One change to the set of live engines."""
-
-    type: EventType
-    key: str
-    revision: int
-    record: EngineRecord
-    """The new record; for ``removed``, the last known one."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON-lines form: type, engine_id, key, revision, endpoint, labels."""
-        return {
-            "type": self.type.value,
-            "engine_id": self.engine_id,
-            "key": self.key,
-            "revision": self.revision,
-            "endpoint": self.endpoint.to_dict(),
-            "labels": dict(self.labels),
-        }
 
 
 class WatcherState(enum.StrEnum):
@@ -137,18 +122,6 @@ class WatcherHealth:
     """The staleness threshold in seconds."""
 
 
-class _Sink(Protocol):
-    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class _Entry:
-    record: EngineRecord
-    mod_revision: int
-
-
 class _Resume(Exception):
     """Internal: a healthy stream ended; reconnect with a fresh backoff."""
 
@@ -160,7 +133,8 @@ class EndpointWatcher:
     (``async for event in watcher``), or with ``subscribe(callback)``. Each consumer
     first gets the current engines as ``added`` events, then every change. ``start()``
     and ``stop()`` are explicit and idempotent; ``stop()`` ends every iterator and
-    leaves no thread or stream behind.
+    leaves no thread or stream behind. The engines themselves live in one store
+    (``watcher.store``), which a ``RoutingTable`` reads.
 
     ``progress_interval`` (seconds, default 1) is how long the stream may stay quiet
     before the watcher asks etcd for a progress notification; ``stale_after`` (seconds,
@@ -179,7 +153,7 @@ class EndpointWatcher:
         heartbeat: float = 5.0,
         progress_interval: float = 1.0,
         stale_after: float | None = None,
-        metrics: Metrics | None = None,
+        metrics: MetricsHooks | None = None,
     ) -> None:
         for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
             if value is not None and (
@@ -193,7 +167,7 @@ class EndpointWatcher:
             if namespace is not None:
                 settings = settings.with_namespace(namespace)
             connection = Connection(settings)
-        self._conn = connection
+        self._conn: EtcdPort = connection
         self._keyspace = (
             connection.settings.keyspace
             if namespace is None
@@ -201,22 +175,20 @@ class EndpointWatcher:
         )
         self.prefix = self._keyspace.prefix
         self.selector = MappingProxyType(dict(selector or {}))
-        self._heartbeat = heartbeat
-        self._progress_interval = progress_interval
         if stale_after is None:
             stale_after = default_stale_after(
                 progress_interval, connection.settings.election_timeout
             )
         self.freshness = Freshness(self.prefix, stale_after, self._describe)
         """When a member with a leader last answered this watcher."""
+        self.store = EngineStore(self.freshness)
+        """The engines this watcher sees: the one copy, shared by every RoutingTable on it."""
+        self._heartbeat = heartbeat
+        self._progress_interval = progress_interval
         self._lock = threading.Lock()
-        self._cache: dict[str, _Entry] = {}
-        self._revision = 0
         self._newest = 0  # newest etcd revision seen in any response: lag = newest - applied
         self._listed = threading.Event()
         self._needs_list = True
-        self._sinks: list[_Sink] = []
-        self._dispatcher = Dispatcher("discovery-watch-events")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stream: WatchStream | None = None
@@ -227,8 +199,7 @@ class EndpointWatcher:
         self._reconnects = 0
         self._relists = 0
         self._skipped = 0
-        if metrics is not None:
-            metrics.observe_watcher(self)
+        self._metrics.observe_watcher(self)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -250,9 +221,9 @@ class EndpointWatcher:
         if wait and not self._listed.wait(self._conn.settings.dial_timeout):
             cause = self._last_exc
             self.stop()
-            if cause is None:
-                raise EtcdUnavailableError(f"no snapshot of {self.prefix} from etcd in time")
-            raise translate(cause, self._conn.settings.endpoints) from cause
+            if isinstance(cause, DiscoveryError):
+                raise cause
+            raise EtcdUnavailableError(f"no snapshot of {self.prefix} from etcd in time") from cause
         return self
 
     def stop(self) -> None:
@@ -266,10 +237,7 @@ class EndpointWatcher:
             thread.join(10.0)
         with self._lock:
             self._state = WatcherState.STOPPED
-            sinks, self._sinks = self._sinks, []
-        for sink in sinks:
-            sink.close()
-        self._dispatcher.stop()
+        self.store.close()
         self.freshness.stop()
         if self._owns_connection:
             self._conn.close()
@@ -289,41 +257,18 @@ class EndpointWatcher:
 
     # -- consumers ---------------------------------------------------------------------
 
-    def add_sink(self, sink: _Sink) -> Callable[[], None]:
-        """Internal: deliver the current state, then every batch, to ``sink``."""
-        with self._lock:
-            if self._stop.is_set():
-                sink.close()
-                return lambda: None
-            if self._listed.is_set() and self._cache:
-                sink.deliver(self._replay_locked())
-            self._sinks.append(sink)
-
-        def remove() -> None:
-            with self._lock:
-                if sink in self._sinks:
-                    self._sinks.remove(sink)
-
-        return remove
-
-    def _replay_locked(self) -> tuple[EndpointEvent, ...]:
-        return tuple(
-            EndpointEvent(EventType.ADDED, key, self._revision, entry.record)
-            for key, entry in self._cache.items()
-        )
-
     def subscribe(self, callback: Callable[[EndpointEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` for the current engines, then for every change.
 
         Callbacks run in order on one background thread, outside any lock; a slow or
         failing callback never stalls the watch. Returns an unsubscribe function.
         """
-        return self.add_sink(_CallbackSink(callback, self._dispatcher))
+        return self.store.add_sink(_CallbackSink(callback, self.store.dispatcher))
 
     def __iter__(self) -> Iterator[EndpointEvent]:
         """Block for events; ends when the watcher stops."""
         sink = _QueueSink()
-        remove = self.add_sink(sink)
+        remove = self.store.add_sink(sink)
         try:
             while (batch := sink.queue.get()) is not None:
                 yield from batch
@@ -333,7 +278,7 @@ class EndpointWatcher:
     async def __aiter__(self) -> AsyncIterator[EndpointEvent]:
         """Await events without blocking the event loop; ends when the watcher stops."""
         sink = _AsyncSink(asyncio.get_running_loop())
-        remove = self.add_sink(sink)
+        remove = self.store.add_sink(sink)
         try:
             while (batch := await sink.queue.get()) is not None:
                 for event in batch:
@@ -346,7 +291,7 @@ class EndpointWatcher:
     @property
     def revision(self) -> int:
         """The etcd revision that the delivered events reflect."""
-        return self._revision
+        return self.store.revision
 
     def health(self) -> WatcherHealth:
         """Connection state, last error, revision, counters and staleness."""
@@ -354,7 +299,7 @@ class EndpointWatcher:
         with self._lock:
             return WatcherHealth(
                 state=self._state,
-                revision=self._revision,
+                revision=self.store.revision,
                 last_error=self._last_error,
                 last_success=(
                     datetime.fromtimestamp(self._last_success, UTC) if self._last_success else None
@@ -362,7 +307,7 @@ class EndpointWatcher:
                 reconnects=self._reconnects,
                 relists=self._relists,
                 skipped=self._skipped,
-                engines=len(self._cache),
+                engines=len(self.store),
                 staleness=staleness,
                 stale=staleness > self.freshness.stale_after,
                 stale_after=self.freshness.stale_after,
@@ -371,10 +316,8 @@ class EndpointWatcher:
     def _describe(self) -> str:
         """What the watcher serves, and why it is not current: for the stale warning."""
         with self._lock:
-            return (
-                f"{len(self._cache)} engines at revision {self._revision}, "
-                f"last error: {self._last_error or 'none'}"
-            )
+            error = self._last_error or "none"
+        return f"{len(self.store)} engines at revision {self.store.revision}, last error: {error}"
 
     # -- the list-watch loop -----------------------------------------------------------
 
@@ -383,8 +326,8 @@ class EndpointWatcher:
             retrying = Retrying(
                 retry=retry_if_exception(self._should_retry),
                 wait=self._backoff,
-                sleep=self._stop.wait,
-                before_sleep=lambda state: self._on_retry(state.outcome.exception()),
+                sleep=self._pause,
+                before_sleep=self._before_retry,
                 reraise=True,
             )
             try:
@@ -400,19 +343,24 @@ class EndpointWatcher:
     _exponential = wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2)
 
     def _backoff(self, state: RetryCallState) -> float:
-        delay = self._exponential(state)
+        delay: float = self._exponential(state)
         if state.outcome is not None and isinstance(state.outcome.exception(), NoLeaderError):
             # A partition or an election: another member (or this one, once it has a
             # leader again) answers soon, and a refusal costs etcd next to nothing.
             return min(delay, self._conn.settings.election_timeout / 4)
         return delay
 
+    def _pause(self, seconds: float) -> None:
+        self._stop.wait(seconds)  # a stop ends the backoff at once
+
     def _should_retry(self, exc: BaseException) -> bool:
         return not self._stop.is_set() and not isinstance(exc, _Resume)
 
-    def _on_retry(self, exc: BaseException | None) -> None:
-        if exc is None:
-            return
+    def _before_retry(self, state: RetryCallState) -> None:
+        if state.outcome is not None and (exc := state.outcome.exception()) is not None:
+            self._on_retry(exc)
+
+    def _on_retry(self, exc: BaseException) -> None:
         reason = explain(exc)
         with self._lock:
             if self._state is not WatcherState.STOPPED:
@@ -429,7 +377,7 @@ class EndpointWatcher:
             self._relist()
         stream = self._conn.open_watch(
             self.prefix,
-            self._revision + 1,
+            self.store.revision + 1,
             heartbeat=self._heartbeat,
             progress_interval=self._progress_interval,
         )
@@ -441,11 +389,11 @@ class EndpointWatcher:
         try:
             for response in stream:
                 self._mark_connected()
-                self._newest = max(self._newest, response.header.revision)
+                self._newest = max(self._newest, response.revision)
                 if response.events:
                     self._apply(response.events)
-                self.freshness.proved()  # after the apply: a table read then holds it
-                self._metrics.watcher_revision(self.prefix, self._revision, self._newest)
+                self.freshness.proved()  # after the store took the batch (see _store.py)
+                self._metrics.watcher_revision(self.prefix, self.store.revision, self._newest)
         except Compacted as exc:
             log.warning("watch of %s fell behind compaction (%s); listing again", self.prefix, exc)
             self._needs_list = True
@@ -475,41 +423,28 @@ class EndpointWatcher:
     def _relist(self) -> None:
         # One attempt per page: this loop's own backoff retries, and reports, failures.
         revision, kvs = self._conn.list_prefix(self.prefix, timeout=0)
-        fresh: dict[str, _Entry] = {}
+        entries: dict[str, Entry] = {}
         for kv in kvs:
             key = kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, kv.key, kv.value)
+            record = self._decode(key, kv)
             if record is not None:
-                fresh[key] = _Entry(record, kv.mod_revision)
-        with self._lock:
-            batch = []
-            for key, entry in self._cache.items():
-                if key not in fresh:
-                    batch.append(EndpointEvent(EventType.REMOVED, key, revision, entry.record))
-            for key, entry in fresh.items():
-                old = self._cache.get(key)
-                if old is None:
-                    batch.append(EndpointEvent(EventType.ADDED, key, revision, entry.record))
-                elif old.mod_revision != entry.mod_revision:
-                    batch.append(EndpointEvent(EventType.UPDATED, key, revision, entry.record))
-            self._cache = fresh
-            self._revision = revision
-            if self._listed.is_set():
-                self._relists += 1
-                self._metrics.watcher_relist(self.prefix, "compaction")
-            self._needs_list = False
-            self._publish_locked(tuple(batch))
-            self._listed.set()
+                entries[record.engine_id] = Entry(key, record, kv.mod_revision)
+        batch = self.store.replace(entries, revision)
+        if self._listed.is_set():
+            self._relists += 1
+            self._metrics.watcher_relist(self.prefix, "compaction")
+        self._needs_list = False
+        self._listed.set()
         self._newest = max(self._newest, revision)
         self._metrics.events_applied(self.prefix, (e.type.value for e in batch), 0.0)
         self._metrics.watcher_revision(self.prefix, revision, self._newest)
         self.freshness.proved()  # a linearizable read: its member had a leader
         self._mark_connected()
 
-    def _decode(self, key: str, raw_key: bytes, value: bytes) -> EngineRecord | None:
+    def _decode(self, key: str, kv: KeyValue) -> EngineRecord | None:
         """The record at ``key`` if valid and selected; None (counted if invalid) otherwise."""
         try:
-            record = self._keyspace.decode(raw_key, value)
+            record = self._keyspace.decode(kv.key, kv.value)
         except RecordDecodeError as exc:
             with self._lock:
                 self._skipped += 1
@@ -518,49 +453,78 @@ class EndpointWatcher:
             return None
         return record if record.matches(self.selector) else None
 
-    def _apply(self, events: Sequence[Any]) -> None:
-        """Apply one response's events, one batch per revision."""
+    def _apply(self, events: Sequence[WatchEvent]) -> None:
+        """Hand one response's changes to the store (decoded here, outside its lock)."""
         started = time.perf_counter()
-        applied: list[str] = []
-        batch: list[EndpointEvent] = []
-        current = events[0].kv.mod_revision
-        decoded = []
-        for event in events:  # decode outside the lock
+        skip = len(self.prefix)
+        changes = []
+        for event in events:
             key = event.kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, event.kv.key, event.kv.value) if event.type == _PUT else None
-            decoded.append((key, event.kv.mod_revision, event.type == _PUT, record))
-        with self._lock:
-            for key, revision, is_put, record in decoded:
-                if revision != current:
-                    self._publish_locked(tuple(batch))
-                    batch, current = [], revision
-                change = self._change_locked(key, revision, is_put, record)
-                if change is not None:
-                    batch.append(change)
-                    applied.append(change.type.value)
-                self._revision = max(self._revision, revision)
-            self._publish_locked(tuple(batch))
-        self._metrics.events_applied(self.prefix, iter(applied), time.perf_counter() - started)
+            record = self._decode(key, event.kv) if event.is_put else None
+            changes.append(Change(key, key[skip:], event.kv.mod_revision, record))
+        applied = self.store.apply(changes)
+        self._metrics.events_applied(
+            self.prefix, (kind.value for kind in applied), time.perf_counter() - started
+        )
 
-    def _change_locked(
-        self, key: str, revision: int, is_put: bool, record: EngineRecord | None
-    ) -> EndpointEvent | None:
-        old = self._cache.get(key)
-        if old is not None and revision <= old.mod_revision:
-            return None  # already applied: never deliver twice
-        if record is None:  # a delete, an undecodable value, or no longer selected
-            if old is None:
-                return None
-            del self._cache[key]
-            return EndpointEvent(EventType.REMOVED, key, revision, old.record)
-        self._cache[key] = _Entry(record, revision)
-        kind = EventType.ADDED if old is None else EventType.UPDATED
-        return EndpointEvent(kind, key, revision, record)
 
-    def _publish_locked(self, batch: tuple[EndpointEvent, ...]) -> None:
-        if batch:
-            for sink in self._sinks:
-                sink.deliver(batch)
+@dataclass(frozen=True)
+class ListedEngine(RecordView):
+    """One engine as ``list_engines`` read it."""
+
+    record: EngineRecord
+    key: str
+    mod_revision: int
+    lease_id: int
+    """The lease the key is bound to; 0 for a key without a lease."""
+    ttl: int | None
+    """Seconds left on the lease when read (with ``lease_ttls``); else None."""
+
+
+@dataclass(frozen=True)
+class EngineListing:
+    """The engines of a namespace at one etcd revision."""
+
+    revision: int
+    engines: tuple[ListedEngine, ...]
+    skipped: tuple[RecordDecodeError, ...]
+    """Values under the prefix that did not decode (each names its key and the reason)."""
+
+
+def list_engines(
+    settings: Settings | None = None,
+    *,
+    selector: Mapping[str, str] | None = None,
+    connection: Connection | None = None,
+    lease_ttls: bool = False,
+) -> EngineListing:
+    """Read the engines of a namespace once, at one revision (a paged, linearizable read).
+
+    ``selector`` keeps engines carrying those labels; ``lease_ttls`` also asks etcd for
+    each lease's remaining TTL (one request per engine). Bad values are skipped and
+    returned in ``skipped``. Uses ``connection`` if given, else one built from
+    ``settings`` (default: ``Settings.from_env()``) and closed before returning.
+    """
+    conn = connection if connection is not None else Connection(settings)
+    keyspace = conn.settings.keyspace
+    try:
+        revision, kvs = conn.list_prefix(keyspace.prefix)
+        engines = []
+        skipped = []
+        for kv in kvs:
+            try:
+                record = keyspace.decode(kv.key, kv.value)
+            except RecordDecodeError as exc:
+                skipped.append(exc)
+                continue
+            if not record.matches(selector):
+                continue
+            ttl = conn.call(partial(conn.lease_ttl, kv.lease)) if lease_ttls and kv.lease else None
+            engines.append(ListedEngine(record, kv.key.decode(), kv.mod_revision, kv.lease, ttl))
+        return EngineListing(revision, tuple(engines), tuple(skipped))
+    finally:
+        if connection is None:
+            conn.close()
 
 
 def _cause(exc: BaseException) -> str:
@@ -579,10 +543,10 @@ class _CallbackSink:
         self._callback = callback
         self._dispatcher = dispatcher
 
-    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None:
+    def deliver(self, batch: Batch) -> None:
         self._dispatcher.submit(self._run, batch)
 
-    def _run(self, batch: tuple[EndpointEvent, ...]) -> None:
+    def _run(self, batch: Batch) -> None:
         for event in batch:
             try:
                 self._callback(event)
@@ -595,9 +559,9 @@ class _CallbackSink:
 
 class _QueueSink:
     def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[tuple[EndpointEvent, ...] | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
 
-    def deliver(self, batch: tuple[EndpointEvent, ...]) -> None:
+    def deliver(self, batch: Batch) -> None:
         self.queue.put(batch)
 
     def close(self) -> None:
@@ -607,9 +571,9 @@ class _QueueSink:
 class _AsyncSink:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.queue: asyncio.Queue[tuple[EndpointEvent, ...] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Batch | None] = asyncio.Queue()
 
-    def deliver(self, batch: tuple[EndpointEvent, ...] | None) -> None:
+    def deliver(self, batch: Batch | None) -> None:
         # RuntimeError: the loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.queue.put_nowait, batch)

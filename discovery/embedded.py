@@ -135,7 +135,7 @@ class EtcdMember:
     @property
     def pid(self) -> int | None:
         """The pid of the running process, or None."""
-        return self.process.pid if self.running else None
+        return self.process.pid if self.process is not None and self.running else None
 
     @property
     def running(self) -> bool:
@@ -198,7 +198,7 @@ class EtcdMember:
             with urllib.request.urlopen(
                 f"{self.client_url}/health", timeout=timeout, context=context
             ) as response:
-                return json.load(response).get("health") == "true"
+                return bool(json.load(response).get("health") == "true")
         except (OSError, ValueError):
             return False
 

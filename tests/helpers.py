@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from discovery import (
     InferenceEngineCapabilities,
@@ -184,8 +184,14 @@ def etcdctl(endpoints: Sequence[str], *args: str) -> subprocess.CompletedProcess
 
 def connected_member(cluster: EtcdCluster, conn: Connection) -> EtcdMember:
     """The member that ``conn`` is talking to now."""
-    in_use = conn.client().endpoint_in_use.netloc
+    in_use = conn.member_in_use
     return next(m for m in cluster.members if m.client_url.endswith(in_use))
+
+
+def raw_call(conn: Connection, op: Callable[[Any], T], timeout: float | None = None) -> T:
+    """Run ``op`` on the adapter's python3-etcd3 client (puts, compaction: what the tests
+    do to etcd behind the package's back), with the adapter's retries."""
+    return conn.call(lambda: conn._attempt(op), timeout=timeout)
 
 
 def get_kv(endpoints: Sequence[str], key: str) -> dict | None:

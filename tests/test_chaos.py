@@ -40,7 +40,7 @@ from discovery import Connection, Settings
 from discovery.embedded import EtcdCluster, EtcdMember
 from discovery.embedded_netns import PartitionableCluster
 
-from .helpers import Registrar, cli_env, wait_for
+from .helpers import Registrar, cli_env, raw_call, wait_for
 
 CHAOS_SECONDS = float(os.environ.get("DISCOVERY_CHAOS_SECONDS") or 45)
 TTL = 3
@@ -219,7 +219,7 @@ class Chaos:
     def compact(self) -> None:
         try:
             revision, _ = self.conn.list_prefix(self.settings.keyspace.prefix, timeout=5)
-            self.conn.call(lambda c: c.compact(revision), timeout=5)
+            raw_call(self.conn, lambda c: c.compact(revision), timeout=5)
         except Exception:
             self.faults["compaction attempt failed (etcd busy)"] += 1
             return

@@ -66,7 +66,7 @@ def test_etcd3_errors_keep_the_grpc_details() -> None:
         Connection(Settings(endpoints=["http://127.0.0.1:9"])) as conn,
         pytest.raises(EtcdUnavailableError, match=r"127\.0\.0\.1:9.*(refused|connect)") as caught,
     ):
-        conn.call(lambda c: c.get("/k"), timeout=0)
+        conn.call(lambda: conn.get("/k"), timeout=0)
     assert isinstance(caught.value.__cause__, etcd3.exceptions.ConnectionFailedError)
 
 
@@ -82,14 +82,14 @@ def test_a_restarted_single_member_is_usable_at_once(etcd) -> None:
     """Upstream benches a failed member for 300 s, even the only one; we must not."""
     settings = Settings(endpoints=etcd.endpoints, dial_timeout=10)
     with Connection(settings) as conn:
-        conn.call(lambda c: c.put("/k", "v"))
+        conn.call(lambda: conn.replace("/k", b"v", 0))
         etcd.members[0].stop(kill=True)
         with pytest.raises(EtcdUnavailableError):
-            conn.call(lambda c: c.get("/k"), timeout=0.3)
+            conn.call(lambda: conn.get("/k"), timeout=0.3)
         etcd.members[0].start()
         etcd.wait_healthy()
         back = time.monotonic()
-        assert conn.call(lambda c: c.get("/k"), timeout=5)[0] == b"v"
+        assert conn.call(lambda: conn.get("/k"), timeout=5).value == b"v"
         assert time.monotonic() - back < 2
 
 
@@ -126,7 +126,7 @@ def test_list_pages_at_one_revision_past_the_grpc_limit(settings: Settings) -> N
     prefix = settings.keyspace.prefix
     value = "x" * 400
     with Connection(settings) as conn:
-        client = conn.client()
+        client = conn._current()
         for batch in range(120):
             ops = [
                 client.transactions.put(f"{prefix}e{batch:03d}-{i:03d}", value) for i in range(100)
@@ -170,16 +170,16 @@ def test_closed_connection_refuses_calls(settings: Settings) -> None:
     conn.close()
     conn.close()
     with pytest.raises(ClosedError):
-        conn.call(lambda c: c.get("/k"))
+        conn.call(lambda: conn.get("/k"))
 
 
 def test_members_fail_over(etcd3) -> None:
     settings = Settings(endpoints=etcd3.endpoints, dial_timeout=10)
     with Connection(settings) as conn:
-        conn.call(lambda c: c.put("/k", "v"))
+        conn.call(lambda: conn.replace("/k", b"v", 0))
         victim = connected_member(etcd3, conn)
         victim.stop(kill=True)
         started = time.monotonic()
-        assert conn.call(lambda c: c.get("/k"))[0] == b"v"
+        assert conn.call(lambda: conn.get("/k")).value == b"v"
         assert time.monotonic() - started < 3
         assert connected_member(etcd3, conn) is not victim

@@ -38,9 +38,9 @@ import yaml
 from kubernetes_validate import SchemaNotFoundError, ValidationError
 
 from discovery import InferenceEngineEndpoint
-from discovery._cli import build_parser
 from discovery._codec import validate_engine_id, validate_labels
 from discovery._settings import env_names
+from discovery.cli import build_parser
 from discovery.embedded import EtcdCluster, ServerTLS, find_binary
 
 from .helpers import wait_for

@@ -31,6 +31,7 @@ INTENDED = {
     # settings and connection
     "Settings",
     "Metrics",
+    "MetricsHooks",
     "Connection",
     # registration
     "register_engine",
@@ -38,6 +39,7 @@ INTENDED = {
     "aregister_engine",
     "default_engine_id",
     "deregister_on_signals",
+    "deregister",
     "Registration",
     "RegistrationState",
     "RegistrationHealth",
@@ -48,6 +50,10 @@ INTENDED = {
     "WatcherHealth",
     "WatcherState",
     "RoutingTable",
+    "watch_table",
+    "list_engines",
+    "EngineListing",
+    "ListedEngine",
     "RoutingSnapshot",
     "Router",
     "RoutingPolicy",

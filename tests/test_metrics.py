@@ -20,14 +20,14 @@ from discovery import (
     NoEngineAvailableError,
     RegistrationState,
     Router,
-    RoutingTable,
     Settings,
     WatcherState,
     register_engine,
+    watch_table,
 )
 from discovery._codec import EngineRecord, encode
 
-from .helpers import Registrar, cli_env, etcdctl, make_endpoint, run_cli, wait_for
+from .helpers import Registrar, cli_env, etcdctl, make_endpoint, raw_call, run_cli, wait_for
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -72,7 +72,7 @@ def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
 ) -> None:
     registry = CollectorRegistry()
     prefix = settings.keyspace.prefix
-    with RoutingTable(settings=settings, metrics=Metrics(registry)) as table:
+    with watch_table(settings, metrics=Metrics(registry)) as table:
         assert _value(registry, "discovery_watcher_connected", prefix=prefix) == 1
         assert _value(registry, "discovery_routing_engines", selector="") == 0
         registrar = Registrar(settings, "doomed", ttl=2)
@@ -87,7 +87,7 @@ def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
         finally:
             registrar.stop()
         with Connection(settings) as conn:
-            conn.call(lambda c: c.put(prefix + "junk", b"\xff not json"))
+            raw_call(conn, lambda c: c.put(prefix + "junk", b"\xff not json"))
         wait_for(
             lambda: (
                 _value(registry, "discovery_watcher_malformed_values_total", prefix=prefix) == 1
@@ -125,9 +125,9 @@ def test_reconnect_and_compaction_relist_metrics(etcd3) -> None:
         )
         for name in ("late", "later"):  # two revisions: the watcher's resume point goes
             record = EngineRecord(engine_id=name, endpoint=make_endpoint())
-            conn.call(lambda c, name=name, record=record: c.put(prefix + name, encode(record)))
-        revision = conn.call(lambda c: c.get_response(prefix + "later")).header.revision
-        conn.call(lambda c: c.compact(revision, physical=True))
+            raw_call(conn, lambda c, name=name, record=record: c.put(prefix + name, encode(record)))
+        revision = raw_call(conn, lambda c: c.get_response(prefix + "later")).header.revision
+        raw_call(conn, lambda c: c.compact(revision, physical=True))
         member.start()
         etcd3.wait_healthy(members=[member])
         wait_for(
@@ -158,7 +158,7 @@ def test_router_metrics(settings: Settings) -> None:
     metrics = Metrics(registry)
     with (
         register_engine(make_endpoint(1), engine_id="r1", settings=settings),
-        RoutingTable(settings=settings, metrics=metrics) as table,
+        watch_table(settings, metrics=metrics) as table,
     ):
         table.wait_until(lambda snap: "r1" in snap, timeout=5)
         router = Router(table, policy="round_robin", metrics=metrics)
@@ -184,7 +184,7 @@ def test_exposition_follows_prometheus_conventions(settings: Settings) -> None:
         register_engine(
             make_endpoint(), engine_id="lint", settings=settings, metrics=metrics
         ) as reg,
-        RoutingTable(settings=settings, metrics=metrics) as table,
+        watch_table(settings, metrics=metrics) as table,
     ):
         table.wait_until(lambda snap: "lint" in snap, timeout=5)
         Router(table, metrics=metrics).pick([1] * 300, max_tokens=5).release()

@@ -35,7 +35,15 @@ from discovery._codec import EngineRecord, encode
 from discovery.embedded import EtcdMember
 from discovery.embedded_netns import PartitionableCluster
 
-from .helpers import Registrar, connected_member, etcdctl, get_kv, make_endpoint, wait_for
+from .helpers import (
+    Registrar,
+    connected_member,
+    etcdctl,
+    get_kv,
+    make_endpoint,
+    raw_call,
+    wait_for,
+)
 
 TTL = 3
 # etcd's default election timeout, which the fixture's members use.
@@ -94,7 +102,7 @@ def _raft_term(cluster: PartitionableCluster, member: EtcdMember) -> int:
 
 def _put(conn: Connection, settings: Settings, engine_id: str, index: int) -> None:
     record = EngineRecord(engine_id=engine_id, endpoint=make_endpoint(index))
-    conn.call(lambda c: c.put(settings.keyspace.key(engine_id), encode(record)))
+    raw_call(conn, lambda c: c.put(settings.keyspace.key(engine_id), encode(record)))
 
 
 def _stale_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -222,7 +230,7 @@ def test_a_watcher_whose_only_member_is_cut_says_stale_and_keeps_its_table(
         before = _table_content(table)
         threshold = watcher.health().stale_after
         with cluster.partitioned(cut):
-            writer.call(lambda c: c.delete(majority.keyspace.key("e0")), timeout=15)
+            writer.call(lambda: writer.delete(majority.keyspace.key("e0")), timeout=15)
             _put(writer, majority, "e3", 3)
             wait_for(
                 lambda: watcher.health().stale and _stale_logs(caplog),

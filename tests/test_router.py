@@ -7,7 +7,6 @@ need no etcd; the last tests use the shared etcd fixtures.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import re
@@ -17,14 +16,12 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 import discovery
 from discovery import (
     DiscoveryError,
-    EndpointEvent,
     EventType,
     NoEngineAvailableError,
     PickHandle,
@@ -34,9 +31,10 @@ from discovery import (
     RoutingTable,
     Settings,
     register_engine,
+    watch_table,
 )
 from discovery._codec import EngineRecord
-from discovery._staleness import Freshness
+from discovery._store import Change, EngineStore
 
 from .helpers import make_endpoint
 
@@ -50,23 +48,22 @@ class Fleet:
     """A RoutingTable fed by hand, one batch (= one revision) per call."""
 
     def __init__(self) -> None:
-        watcher = SimpleNamespace(
-            add_sink=lambda sink: lambda: None,
-            start=lambda wait=True: None,
-            stop=lambda: None,
-            freshness=Freshness("by hand", math.inf, str),  # never proved, never stale
-        )
-        self.table = RoutingTable(watcher=watcher)
+        self.table = RoutingTable(EngineStore())
         self.records: dict[str, EngineRecord] = {}
         self.revision = 0
 
     def _deliver(self, *events: tuple[EventType, EngineRecord]) -> None:
         self.revision += 1
-        self.table.deliver(
-            tuple(
-                EndpointEvent(kind, f"/k/{record.engine_id}", self.revision, record)
+        self.table.store.apply(
+            [
+                Change(
+                    f"/k/{record.engine_id}",
+                    record.engine_id,
+                    self.revision,
+                    None if kind is EventType.REMOVED else record,
+                )
                 for kind, record in events
-            )
+            ]
         )
 
     def add(
@@ -631,7 +628,7 @@ def test_engine_closed_in_etcd_is_never_picked_again(settings: Settings) -> None
     a = register_engine(make_endpoint(1), engine_id="engine-a", ttl=5, settings=settings)
     b = register_engine(make_endpoint(2), engine_id="engine-b", ttl=5, settings=settings)
     try:
-        with RoutingTable(settings=settings) as table:
+        with watch_table(settings) as table:
             table.wait_until(lambda snap: {"engine-a", "engine-b"} <= set(snap), timeout=15)
             router = Router(table, policy="round_robin")
             assert set(picks(router, [1] * 100, 10)) == {"engine-a", "engine-b"}

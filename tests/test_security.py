@@ -22,9 +22,9 @@ from discovery import (
     EtcdUnavailableError,
     PermissionDeniedError,
     RegistrationState,
-    RoutingTable,
     Settings,
     register_engine,
+    watch_table,
 )
 from discovery.embedded import EtcdCluster, ServerTLS
 
@@ -102,7 +102,7 @@ def _tls_settings(cluster: EtcdCluster, pki: Pki, **overrides) -> Settings:
 def test_tls_with_client_certificates(etcd_tls: EtcdCluster, pki: Pki) -> None:
     settings = _tls_settings(etcd_tls, pki)
     assert settings.endpoints[0].startswith("https://")
-    with RoutingTable(settings=settings) as table:
+    with watch_table(settings) as table:
         with register_engine(make_endpoint(), engine_id="secure", ttl=5, settings=settings):
             table.wait_until(lambda snap: "secure" in snap, timeout=5)
         table.wait_until(lambda snap: "secure" not in snap, timeout=5)
@@ -242,7 +242,7 @@ def test_router_user_reads_and_watches_but_cannot_write(etcd_auth: EtcdCluster) 
     with pytest.raises(PermissionDeniedError):
         register_engine(make_endpoint(), engine_id="nope", settings=router)
     with (
-        RoutingTable(settings=router) as table,
+        watch_table(router) as table,
         register_engine(
             make_endpoint(), engine_id="e2", ttl=5, settings=_auth_settings(etcd_auth, "engine-a")
         ),
@@ -273,11 +273,11 @@ def test_expired_tokens_do_not_freeze_watch_or_keepalive(etcd_jwt: EtcdCluster) 
     engine = _auth_settings(etcd_jwt, "engine-a", dial_timeout=10)
     router = _auth_settings(etcd_jwt, "router-a", dial_timeout=10)
     with (
-        RoutingTable(settings=router) as table,
+        watch_table(router) as table,
         register_engine(make_endpoint(), engine_id="survivor", ttl=6, settings=engine) as reg,
     ):
         table.wait_until(lambda snap: "survivor" in snap, timeout=5)
-        tokens = [table.watcher._conn.client().metadata, reg._conn.client().metadata]
+        tokens = [table.watcher._conn._current().metadata, reg._conn._current().metadata]
         expiry = max(_token_expiry(token) for token in tokens)
         wait_for(lambda: time.time() > expiry + 0.5, timeout=_JWT_TTL + 5, message="token expiry")
         keepalive = reg.health().last_keepalive
@@ -292,11 +292,11 @@ def test_expired_tokens_do_not_freeze_watch_or_keepalive(etcd_jwt: EtcdCluster) 
         with register_engine(make_endpoint(1), engine_id="newcomer", ttl=6, settings=engine):
             table.wait_until(lambda snap: "newcomer" in snap, timeout=10)
         assert reg.health().losses == 0
-        assert table.watcher._conn.client().metadata != tokens[0]  # it did re-authenticate
+        assert table.watcher._conn._current().metadata != tokens[0]  # it did re-authenticate
         # Unary calls with the expired token authenticate again too.
         reg.update(labels={"after": "expiry"})
         table.wait_until(lambda snap: snap["survivor"].labels == {"after": "expiry"}, timeout=5)
-        assert reg._conn.client().metadata != tokens[1]
+        assert reg._conn._current().metadata != tokens[1]
 
 
 def test_no_secret_in_logs_reprs_errors_or_cli_output(

@@ -27,10 +27,11 @@ from discovery import (
     Settings,
     WatcherHealth,
     WatcherState,
+    watch_table,
 )
 from discovery._codec import EngineRecord, encode
 
-from .helpers import make_endpoint, wait_for
+from .helpers import make_endpoint, raw_call, wait_for
 
 
 def _value(index: int, engine_id: str | None = None, **labels: str) -> bytes:
@@ -41,7 +42,7 @@ def _value(index: int, engine_id: str | None = None, **labels: str) -> bytes:
 
 
 def _raw(settings: Settings) -> etcd3.MultiEndpointEtcd3Client:
-    return Connection(settings).client()
+    return Connection(settings)._current()
 
 
 class Recorder:
@@ -190,7 +191,7 @@ def test_label_selector(settings: Settings) -> None:
     k = settings.keyspace.key
     client.put(k("e1"), _value(1, model="llama", role="decode"))
     client.put(k("e2"), _value(2, model="mistral", role="decode"))
-    with RoutingTable(settings=settings, selector={"model": "llama"}) as table:
+    with watch_table(settings, selector={"model": "llama"}) as table:
         assert set(table.snapshot()) == {"e1"}
         client.put(k("e2"), _value(2, model="llama"))
         table.wait_until(lambda snap: set(snap) == {"e1", "e2"}, timeout=5)
@@ -255,8 +256,8 @@ def _writer(settings: Settings, stop: threading.Event, written: dict[str, int]) 
             while not stop.is_set():
                 key = settings.keyspace.key(f"w{i}")
                 try:
-                    response = conn.attempt(lambda c, key=key, i=i: c.put(key, _value(i, f"w{i}")))
-                    written[f"w{i}"] = response.header.revision
+                    result = conn.replace(key, _value(i, f"w{i}"), 0)
+                    written[f"w{i}"] = result.revision
                 except Exception:
                     stop.wait(0.05)  # etcd is down on purpose: pace the retries
                 i += 1
@@ -333,20 +334,20 @@ def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
     conn = Connection(others)  # retries through the election if the leader was killed
     k = others.keyspace.key
     for i in range(4):
-        conn.call(lambda c, i=i: c.put(k(f"e{i}"), _value(i)))
+        raw_call(conn, lambda c, i=i: c.put(k(f"e{i}"), _value(i)))
     recorder = Recorder()
     with EndpointWatcher(lonely, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
         watcher.subscribe(recorder)
         wait_for(lambda: len(recorder.events) == 4, message="snapshot")
         member.stop(kill=True)
         wait_for(lambda: watcher.health().state is WatcherState.RECONNECTING, message="disconnect")
-        conn.call(lambda c: c.delete(k("e0")))  # removed while away: must be reported
-        conn.call(lambda c: c.put(k("e1"), _value(1, zone="new")))  # updated
-        conn.call(lambda c: c.put(k("e4"), _value(4)))  # added
-        conn.call(lambda c: c.put(k("e5"), _value(5)))
-        conn.call(lambda c: c.delete(k("e5")))  # came and went while away: nothing to report
-        revision = conn.call(lambda c: c.get_response(k("e4"))).header.revision
-        conn.call(lambda c: c.compact(revision, physical=True))
+        raw_call(conn, lambda c: c.delete(k("e0")))  # removed while away: must be reported
+        raw_call(conn, lambda c: c.put(k("e1"), _value(1, zone="new")))  # updated
+        raw_call(conn, lambda c: c.put(k("e4"), _value(4)))  # added
+        raw_call(conn, lambda c: c.put(k("e5"), _value(5)))
+        raw_call(conn, lambda c: c.delete(k("e5")))  # came and went while away: nothing to report
+        revision = raw_call(conn, lambda c: c.get_response(k("e4"))).header.revision
+        raw_call(conn, lambda c: c.compact(revision, physical=True))
         member.start()
         etcd3.wait_healthy(members=[member])
         wait_for(lambda: watcher.health().relists == 1, timeout=15, message="relist")
@@ -396,7 +397,7 @@ def test_start_fails_clearly_without_etcd() -> None:
 def test_table_listeners_get_each_batch_with_its_snapshot(settings: Settings) -> None:
     client = _raw(settings)
     seen: list[tuple[list[str], int]] = []
-    with RoutingTable(settings=settings) as table:
+    with watch_table(settings) as table:
         table.subscribe(
             lambda events, snap: seen.append(([e.engine_id for e in events], len(snap)))
         )

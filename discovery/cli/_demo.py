@@ -20,12 +20,18 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ._cli import format_event, metrics_from_args, settings_from_args
-from ._routing import RoutingSnapshot, RoutingTable
-from ._settings import ENV_PREFIX, Settings
-from ._watcher import EndpointEvent, EventType
+from .._endpoint import (
+    InferenceEngineCapabilities,
+    InferenceEngineEndpoint,
+    PrefixCachingCoordinatorPolicy,
+)
+from .._routing import watch_table
+from .._settings import ENV_PREFIX, Settings
+from .._store import Batch, EventType, RoutingSnapshot
+from ._args import endpoint_argv, metrics_from_args, settings_argv, settings_from_args
+from ._commands import format_event
 
-_POLICIES = ("first_prefix_block", "longest_prefix", "load_balanced")
+_POLICIES = tuple(PrefixCachingCoordinatorPolicy)
 _START_TIMEOUT = 30.0
 
 
@@ -41,7 +47,7 @@ def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
         _say(started, f"using etcd at {', '.join(settings.endpoints)}")
         yield settings
         return
-    from .embedded import EtcdCluster  # noqa: PLC0415 - only the demo needs it
+    from ..embedded import EtcdCluster  # noqa: PLC0415 - only the demo needs it
 
     with EtcdCluster(1) as cluster:
         _say(started, f"no etcd configured: started an embedded etcd at {cluster.endpoints[0]}")
@@ -49,25 +55,27 @@ def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
 
 
 def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
-    policy = _POLICIES[index % len(_POLICIES)]
+    endpoint = InferenceEngineEndpoint(
+        f"tcp://10.0.0.{index + 1}:5555",
+        InferenceEngineCapabilities(
+            context_length=8192,
+            kv_cache_block_size=256,
+            total_kv_blocks=4096 * (index + 1),
+            max_num_seqs=64 * (index + 1),
+            max_num_batched_tokens=8192,
+            bos_token_id=1,
+            enable_prefix_caching=True,
+            prefix_caching_coordinator_policy=_POLICIES[index % len(_POLICIES)],
+        ),
+    )
     return [
         sys.executable, "-m", "discovery", "register",
         "--engine-id", f"demo-engine-{index}",
-        "--coordinator-address", f"tcp://10.0.0.{index + 1}:5555",
-        "--context-length", "8192",
-        "--kv-cache-block-size", "256",
-        "--total-kv-blocks", str(4096 * (index + 1)),
-        "--max-num-seqs", str(64 * (index + 1)),
-        "--max-num-batched-tokens", "8192",
-        "--bos-token-id", "1",
-        "--enable-prefix-caching",
-        "--prefix-caching-coordinator-policy", policy,
+        *endpoint_argv(endpoint),
         "--label", "model=llama-3-8b",
         "--label", f"role={'prefill' if index % 2 == 0 else 'decode'}",
         "--ttl", str(ttl),
-        "--endpoints", ",".join(settings.endpoints),
-        "--root", settings.root,
-        "--namespace", settings.namespace,
+        *settings_argv(settings),
         "--log-level", "WARNING",
     ]  # fmt: skip
 
@@ -77,7 +85,7 @@ def _describe_table(snapshot: RoutingSnapshot) -> str:
     return f"table @rev {snapshot.revision}: {len(snapshot)} engines: {names}"
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
     started = time.monotonic()
     engines: list[subprocess.Popen[bytes]] = []
@@ -86,9 +94,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.namespace is None:
         args.namespace = "demo"
     with _etcd(args, started) as settings:
-        table = RoutingTable(settings=settings, metrics=metrics_from_args(args))
+        table = watch_table(settings, metrics=metrics_from_args(args))
 
-        def show(events: tuple[EndpointEvent, ...], snapshot: RoutingSnapshot) -> None:
+        def show(events: Batch, snapshot: RoutingSnapshot) -> None:
             for event in events:
                 _say(started, format_event(event, "text"))
                 if event.type is EventType.REMOVED:
@@ -100,7 +108,7 @@ def run_demo(args: argparse.Namespace) -> int:
         table.subscribe(show)
         try:
             table.start()
-            _say(started, f"watching {table.watcher.prefix}; starting {args.engines} engines")
+            _say(started, f"watching {settings.keyspace.prefix}; starting {args.engines} engines")
             for index in range(args.engines):
                 engines.append(subprocess.Popen(_engine_command(index, settings, args.ttl)))
             table.wait_until(lambda snap: len(snap) >= args.engines, timeout=_START_TIMEOUT)
@@ -132,7 +140,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _print_inspection(settings: Settings, started: float) -> None:
     try:
-        from .embedded import find_binary  # noqa: PLC0415
+        from ..embedded import find_binary  # noqa: PLC0415
 
         etcdctl = find_binary("etcdctl")
     except (ImportError, FileNotFoundError):

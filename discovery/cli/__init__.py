@@ -1,0 +1,82 @@
+"""``discovery`` command line: a thin argparse front end over the public API.
+
+Exit status: 0 success, 1 runtime failure (etcd unavailable, conflict, denied),
+2 bad input (flags, endpoint file, settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .._errors import ConfigurationError, DiscoveryError, InvalidRecordError
+from ._args import (
+    UsageError,
+    add_endpoint_flags,
+    add_metrics_flags,
+    add_registration_flags,
+    add_settings_flags,
+    setup_logging,
+)
+from ._commands import EXIT_FAILURE, cmd_deregister, cmd_list, cmd_register, cmd_watch
+from ._demo import cmd_demo
+
+__all__ = ["build_parser", "main"]
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``discovery`` command."""
+    parser = argparse.ArgumentParser(
+        prog="discovery", description="Register and find inference engines in etcd."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    reg = commands.add_parser("register", help="register an engine until signalled")
+    add_endpoint_flags(reg)
+    add_registration_flags(reg)
+    add_settings_flags(reg)
+    add_metrics_flags(reg)
+    reg.set_defaults(func=cmd_register)
+
+    dereg = commands.add_parser("deregister", help="remove an engine's record by id")
+    dereg.add_argument("engine_id")
+    add_settings_flags(dereg)
+    dereg.set_defaults(func=cmd_deregister)
+
+    lst = commands.add_parser("list", help="print the live engines")
+    lst.add_argument("--format", choices=("table", "json"), default="table")
+    add_settings_flags(lst)
+    lst.set_defaults(func=cmd_list)
+
+    watch = commands.add_parser("watch", help="print one line per change until signalled")
+    watch.add_argument("--format", choices=("text", "jsonl"), default="text")
+    watch.add_argument("--selector", action="append", default=[], metavar="KEY=VALUE")
+    add_settings_flags(watch)
+    add_metrics_flags(watch)
+    watch.set_defaults(func=cmd_watch)
+
+    demo = commands.add_parser("demo", help="run the end-to-end demo (embedded etcd if none)")
+    demo.add_argument("--engines", type=int, default=3)
+    demo.add_argument("--ttl", type=float, default=3.0)
+    add_settings_flags(demo)
+    add_metrics_flags(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``discovery`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        setup_logging(args)
+        return int(args.func(args))
+    except (UsageError, InvalidRecordError, ConfigurationError) as exc:
+        print(f"discovery {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DiscoveryError as exc:
+        print(f"discovery {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE

@@ -1,0 +1,240 @@
+"""Every flag of the ``discovery`` command, defined once; and what they build.
+
+Commands (``_commands.py``) and the demo (``_demo.py``) take their flags from here; the
+demo also turns settings back into flags for the engine processes it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from .._endpoint import (
+    InferenceEngineCapabilities,
+    InferenceEngineEndpoint,
+    PrefixCachingCoordinatorPolicy,
+)
+from .._metrics import Metrics
+from .._settings import Settings
+
+log = logging.getLogger("discovery.cli")
+
+
+class UsageError(Exception):
+    """Bad input on the command line; exits with status 2."""
+
+
+# -- etcd settings ---------------------------------------------------------------------
+
+# Settings field -> its flag; each flag's help names the DISCOVERY_* variable it overrides.
+_SETTINGS_FLAGS = {
+    "endpoints": ("--endpoints", "comma-separated etcd URLs ($DISCOVERY_ETCD_ENDPOINTS)"),
+    "root": ("--root", "key root ($DISCOVERY_ROOT, default /inference/v1)"),
+    "namespace": ("--namespace", "namespace ($DISCOVERY_NAMESPACE, default 'default')"),
+    "dial_timeout": ("--dial-timeout", "seconds ($DISCOVERY_DIAL_TIMEOUT)"),
+    "request_timeout": ("--request-timeout", "($DISCOVERY_REQUEST_TIMEOUT)"),
+    "ca_cert": ("--ca-cert", "CA bundle file ($DISCOVERY_ETCD_CA_CERT)"),
+    "cert": ("--cert", "client certificate file ($DISCOVERY_ETCD_CERT)"),
+    "key": ("--key", "client key file ($DISCOVERY_ETCD_KEY)"),
+    "username": ("--username", "etcd user ($DISCOVERY_ETCD_USERNAME)"),
+    "password_file": (
+        "--password-file",
+        "file holding the etcd password ($DISCOVERY_ETCD_PASSWORD_FILE; "
+        "or $DISCOVERY_ETCD_PASSWORD). Never given as a flag, so it stays out of ps.",
+    ),
+}
+_FLOAT_SETTINGS = ("dial_timeout", "request_timeout")
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """The etcd settings flags, and the logging flags every command takes."""
+    group = parser.add_argument_group("etcd settings (flags win over DISCOVERY_* variables)")
+    for name, (flag, text) in _SETTINGS_FLAGS.items():
+        group.add_argument(flag, help=text, type=float if name in _FLOAT_SETTINGS else str)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from DISCOVERY_* variables, overridden by the flags given."""
+    overrides = {name: getattr(args, name, None) for name in _SETTINGS_FLAGS}
+    if overrides["password_file"]:  # the flag wins over $DISCOVERY_ETCD_PASSWORD too
+        environ = {k: v for k, v in os.environ.items() if k != "DISCOVERY_ETCD_PASSWORD"}
+        return Settings.from_env(environ, **overrides)
+    return Settings.from_env(**overrides)
+
+
+def settings_argv(settings: Settings) -> list[str]:
+    """Flags that make another ``discovery`` process use ``settings`` (no password)."""
+    argv = []
+    for name, (flag, _) in _SETTINGS_FLAGS.items():
+        value = getattr(settings, name)
+        if value is not None:
+            argv += [flag, ",".join(value) if name == "endpoints" else str(value)]
+    return argv
+
+
+# -- logging -----------------------------------------------------------------------------
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """Log to stderr at ``--log-level``, as text or one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    if args.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        raise UsageError(f"--log-level {args.log_level!r} is not a logging level")
+    root.setLevel(level)
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port and --metrics-addr."""
+    group = parser.add_argument_group("metrics (needs prometheus-client)")
+    group.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    group.add_argument(
+        "--metrics-addr", default="127.0.0.1", help="bind address (default 127.0.0.1)"
+    )
+
+
+def metrics_from_args(args: argparse.Namespace) -> Metrics | None:
+    """A Metrics served over HTTP when --metrics-port is given, else None."""
+    if args.metrics_port is None:
+        return None
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
+    except ImportError:
+        raise UsageError(
+            "--metrics-port needs prometheus-client: pip install 'discovery[metrics]'"
+        ) from None
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
+    log.info("serving metrics on http://%s:%d/metrics", args.metrics_addr, args.metrics_port)
+    return metrics
+
+
+# -- an engine's endpoint and registration ------------------------------------------------
+
+# The required integer capabilities, each a --flag (the others have their own flags).
+_CAPABILITY_FLAGS = tuple(
+    f.name
+    for f in dataclasses.fields(InferenceEngineCapabilities)
+    if f.default is dataclasses.MISSING and f.name != "enable_prefix_caching"
+)
+
+
+def add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """--endpoint-file, or the coordinator address and one flag per capability."""
+    parser.add_argument("--endpoint-file", help="JSON endpoint, same format as the stored value")
+    parser.add_argument("--coordinator-address")
+    for name in _CAPABILITY_FLAGS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
+    )
+    parser.add_argument("--logical-data-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--prefix-caching-coordinator-policy",
+        choices=[p.value for p in PrefixCachingCoordinatorPolicy],
+    )
+
+
+def add_registration_flags(parser: argparse.ArgumentParser) -> None:
+    """Engine id, TTL, labels and takeover: how an endpoint is registered."""
+    parser.add_argument("--engine-id", help="default: {hostname}-{pid}-{random}")
+    parser.add_argument("--ttl", type=float, default=10.0, help="lease TTL in seconds (default 10)")
+    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--replace", action="store_true", help="take over a live engine's id")
+
+
+def parse_labels(pairs: Sequence[str], flag: str = "--label") -> dict[str, str]:
+    """``key=value`` pairs as a dict."""
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise UsageError(f"{flag} {pair!r} must look like key=value")
+        labels[key] = value
+    return labels
+
+
+def endpoint_from_args(args: argparse.Namespace) -> tuple[InferenceEngineEndpoint, dict[str, Any]]:
+    """The endpoint and the metadata (engine_id, labels) found in the file, if any."""
+    if args.endpoint_file:
+        return _endpoint_from_file(args.endpoint_file)
+    missing = [f"--{n.replace('_', '-')}" for n in _CAPABILITY_FLAGS if getattr(args, n) is None]
+    if args.coordinator_address is None:
+        missing.insert(0, "--coordinator-address")
+    if missing:
+        raise UsageError(f"give --endpoint-file, or all of: {', '.join(missing)}")
+    policy = args.prefix_caching_coordinator_policy
+    try:
+        capabilities = InferenceEngineCapabilities(
+            **{name: getattr(args, name) for name in _CAPABILITY_FLAGS},
+            enable_prefix_caching=args.enable_prefix_caching,
+            logical_data_parallel_size=args.logical_data_parallel_size,
+            prefix_caching_coordinator_policy=(
+                PrefixCachingCoordinatorPolicy(policy) if policy else None
+            ),
+        )
+        return InferenceEngineEndpoint(args.coordinator_address, capabilities), {}
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _endpoint_from_file(path: str) -> tuple[InferenceEngineEndpoint, dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle)
+    except OSError as exc:
+        raise UsageError(f"--endpoint-file: cannot read {path!r}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"--endpoint-file {path!r} is not JSON: {exc}") from None
+    try:
+        endpoint = InferenceEngineEndpoint.from_dict(value)
+    except KeyError as exc:
+        raise UsageError(f"--endpoint-file: missing field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--endpoint-file: {exc}") from None
+    return endpoint, {k: value[k] for k in ("engine_id", "labels") if k in value}
+
+
+def endpoint_argv(endpoint: InferenceEngineEndpoint) -> list[str]:
+    """The flags ``endpoint_from_args`` reads back as ``endpoint``."""
+    caps = endpoint.capabilities
+    argv = ["--coordinator-address", endpoint.coordinator_address]
+    for name in (*_CAPABILITY_FLAGS, "logical_data_parallel_size"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(caps, name))]
+    if caps.enable_prefix_caching:
+        argv.append("--enable-prefix-caching")
+    if caps.prefix_caching_coordinator_policy is not None:
+        argv += ["--prefix-caching-coordinator-policy", caps.prefix_caching_coordinator_policy]
+    return argv

@@ -1,0 +1,181 @@
+"""The ``register``, ``deregister``, ``list`` and ``watch`` commands, on the public API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+from .._codec import validate_labels
+from .._registration import RegistrationState, deregister, register_engine
+from .._store import EndpointEvent
+from .._watcher import EndpointWatcher, ListedEngine, list_engines
+from ._args import (
+    endpoint_from_args,
+    metrics_from_args,
+    parse_labels,
+    settings_from_args,
+)
+
+log = logging.getLogger("discovery.cli")
+
+EXIT_FAILURE = 1
+
+
+class StopSignals:
+    """From construction on, catch SIGTERM and SIGINT; ``wait()`` returns once one came.
+
+    A plain ``Event.wait()`` in the main thread can sleep through a signal: the OS may
+    hand it to one of gRPC's threads, and Python only runs handlers when the main thread
+    runs bytecode. CPython writes every caught signal to the wakeup fd from whichever
+    thread receives it, so a read on that fd always wakes up.
+    """
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._write_fd = write_fd
+        for sig in self._SIGNALS:
+            signal.signal(sig, lambda *_: None)  # caught (not fatal); handled by wait()
+        signal.set_wakeup_fd(write_fd)
+
+    def wait(self) -> None:
+        """Block until SIGTERM or SIGINT arrives."""
+        while os.read(self._read_fd, 1)[0] not in self._SIGNALS:
+            pass
+
+
+# -- register / deregister ----------------------------------------------------------------
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    """Register an engine and keep it registered until SIGTERM/SIGINT."""
+    endpoint, meta = endpoint_from_args(args)
+    labels = {**(meta.get("labels") or {}), **parse_labels(args.label)}
+    engine_id = args.engine_id or meta.get("engine_id")
+    settings = settings_from_args(args)
+    stop = StopSignals()
+    metrics = metrics_from_args(args)
+    registration = register_engine(
+        endpoint,
+        metrics=metrics,
+        engine_id=engine_id,
+        ttl=args.ttl,
+        labels=labels,
+        settings=settings,
+        replace=args.replace,
+    )
+    log.info(
+        "registered %s at %s (lease %016x, ttl %d s)",
+        registration.engine_id,
+        registration.key,
+        registration.lease_id,
+        registration.ttl,
+    )
+    registration.subscribe(lambda state: _log_state(registration.engine_id, state))
+    stop.wait()
+    registration.close()
+    log.info("deregistered %s; exiting", registration.engine_id)
+    return 0
+
+
+def _log_state(engine_id: str, state: RegistrationState) -> None:
+    if state is RegistrationState.REGISTERED:
+        log.info("%s registered again after losing its lease", engine_id)
+
+
+def cmd_deregister(args: argparse.Namespace) -> int:
+    """Remove an engine's record by id."""
+    settings = settings_from_args(args)
+    key = settings.keyspace.key(args.engine_id)
+    lease = deregister(args.engine_id, settings)
+    if lease is None:
+        print(f"no engine {args.engine_id!r} at {key}", file=sys.stderr)
+        return EXIT_FAILURE
+    how = f"revoked lease {lease:016x}" if lease else "deleted the key (it had no lease)"
+    print(f"removed engine {args.engine_id!r} at {key}: {how}")
+    return 0
+
+
+# -- list / watch ---------------------------------------------------------------------------
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print the live engines as a table or as JSON."""
+    listing = list_engines(settings_from_args(args), lease_ttls=True)
+    for skipped in listing.skipped:
+        print(f"warning: skipping {skipped}", file=sys.stderr)
+    if args.format == "json":
+        out = [
+            {
+                **engine.record.to_value(),
+                "key": engine.key,
+                "lease": engine.lease_id,
+                "ttl": engine.ttl,
+            }
+            for engine in listing.engines
+        ]
+        print(json.dumps({"revision": listing.revision, "engines": out}, indent=2))
+        return 0
+    print(_table(listing.engines))
+    return 0
+
+
+def _table(engines: tuple[ListedEngine, ...]) -> str:
+    header = ("ENGINE", "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL", "LABELS")
+    lines = [header]
+    for engine in engines:
+        caps = engine.endpoint.capabilities
+        policy = caps.prefix_caching_coordinator_policy
+        lines.append(
+            (
+                engine.engine_id,
+                engine.endpoint.coordinator_address,
+                str(caps.context_length),
+                str(caps.kv_cache_block_size),
+                str(caps.total_kv_blocks),
+                str(caps.max_num_seqs),
+                str(policy) if policy else ("-" if caps.enable_prefix_caching else "off"),
+                "-" if engine.ttl is None else f"{engine.ttl}s",
+                ",".join(f"{k}={v}" for k, v in sorted(engine.labels.items())) or "-",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines
+    ]
+    return "\n".join(t.rstrip() for t in text) + f"\n({len(engines)} engines)"
+
+
+def format_event(event: EndpointEvent, fmt: str) -> str:
+    """One output line for ``discovery watch``."""
+    if fmt == "jsonl":
+        return json.dumps(event.to_dict(), separators=(",", ":"))
+    labels = ",".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+    return (
+        f"{event.type.value:<8} {event.engine_id} {event.endpoint.coordinator_address} "
+        f"rev={event.revision}{' ' + labels if labels else ''}"
+    )
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Print one line per event until SIGTERM/SIGINT."""
+    settings = settings_from_args(args)
+    selector = parse_labels(args.selector, "--selector")
+    stop = StopSignals()
+    metrics = metrics_from_args(args)
+    watcher = EndpointWatcher(settings, selector=validate_labels(selector), metrics=metrics)
+    watcher.start()
+
+    def emit(event: EndpointEvent) -> None:
+        print(format_event(event, args.format), flush=True)
+
+    watcher.subscribe(emit)
+    stop.wait()
+    watcher.stop()
+    return 0
