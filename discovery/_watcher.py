@@ -3,16 +3,20 @@
 The informer pattern, adapted to etcd. What a consumer may rely on:
 
 * **Snapshot first.** The prefix is read at one revision R (paged, every page at R) and
-  each valid record is delivered as ``added`` in one batch; the watch then starts at
-  R + 1, so nothing written between the read and the watch is lost.
+  each valid record is delivered as ``added`` in one batch; the watch then starts at R
+  (R's own changes, already listed, are skipped), so nothing written between the read
+  and the watch is lost.
 * **Order.** Batches arrive in revision order. A batch holds the events of one etcd
   revision (or of one snapshot) and is applied to a RoutingTable atomically.
   ``event.revision`` is the revision of the change, or R for events of a snapshot.
 * **Exactly once across reconnects.** After a stream error, an etcd restart, a member
   failover or a stream that went silent (a watchdog asks etcd for progress and cancels a
-  quiet stream), the watch resumes from the last applied revision + 1 with jittered
-  exponential backoff. Nothing is missed and nothing is delivered twice; a put whose
-  mod revision is not newer than the cached one is ignored.
+  quiet stream), the watch resumes at the last applied revision with jittered
+  exponential backoff; its changes come again and are skipped. Nothing is missed and
+  nothing is delivered twice: a change not newer than the one held is ignored. (Not
+  from the next revision: etcd before 3.5.16 drops the tombstone of a delete made at
+  exactly the compaction revision, etcd-io/etcd#18089, and a watch resumed there would
+  never see that delete; from the applied revision, such a compaction means a relist.)
 * **Compaction.** If the resume revision has been compacted, the prefix is listed again
   and exactly the difference from the cache is delivered (``added`` / ``updated`` /
   ``removed``, including deletions that happened while disconnected).
@@ -24,7 +28,7 @@ The informer pattern, adapted to etcd. What a consumer may rely on:
 * **Removed events** carry the last known record.
 * **Partitions.** The watch stream is leader-required: a member cut off from the rest of
   the cluster refuses it, or ends it within a few election timeouts of losing its leader,
-  and the watch resumes at once on another member from the last applied revision + 1.
+  and the watch resumes at once on another member, at the last applied revision.
   List reads are linearizable (they fail on a member without a leader).
 * **Bounded staleness.** ``health().staleness`` is the time since a member with a leader
   last answered (an event, or the answer to a progress request sent after
@@ -377,7 +381,7 @@ class EndpointWatcher:
             self._relist()
         stream = self._conn.open_watch(
             self.prefix,
-            self.store.revision + 1,
+            self.store.revision,  # inclusive: see "Exactly once" in the module docs
             heartbeat=self._heartbeat,
             progress_interval=self._progress_interval,
         )
@@ -457,8 +461,11 @@ class EndpointWatcher:
         """Hand one response's changes to the store (decoded here, outside its lock)."""
         started = time.perf_counter()
         skip = len(self.prefix)
+        held = self.store.revision  # the watch starts there: its changes come again
         changes = []
         for event in events:
+            if event.kv.mod_revision <= held:
+                continue
             key = event.kv.key.decode("utf-8", "backslashreplace")
             record = self._decode(key, event.kv) if event.is_put else None
             changes.append(Change(key, key[skip:], event.kv.mod_revision, record))

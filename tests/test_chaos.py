@@ -340,12 +340,22 @@ def test_chaos_soak(chaos_etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
         settle_began = time.monotonic()
         chaos.repair_due_members(all_now=True)
         etcd3.wait_healthy(timeout=30)
-        wait_for(
-            lambda: all(chaos.ready(r) for r in chaos.live),
-            timeout=60,
-            message="every live registrar registered",
-            interval=0.2,
-        )
+        try:
+            wait_for(
+                lambda: all(chaos.ready(r) for r in chaos.live),
+                timeout=60,
+                message="every live registrar registered",
+                interval=0.2,
+            )
+        except AssertionError as exc:
+            unready = [r for r in chaos.live if not chaos.ready(r)]
+            raise AssertionError(
+                f"{exc}; not registered: "
+                + "\n".join(
+                    f"{r.engine_id} (exit status {r.process.poll()}):\n{r.output()[-2000:]}"
+                    for r in unready
+                )
+            ) from None
         live_ids = {r.engine_id for r in chaos.live}
         wait_for(
             lambda: set(chaos.etcd_content()) == live_ids,

@@ -364,6 +364,35 @@ def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
     conn.close()
 
 
+def test_a_delete_at_the_compaction_revision_is_not_lost(etcd3) -> None:
+    """etcd before 3.5.16 drops the tombstone of a delete made at exactly the compaction
+    revision (etcd-io/etcd#18089): a watch resumed from that revision never sees the delete.
+    The watcher resumes from its last applied revision, so such a compaction sends it to
+    list again instead."""
+    member = etcd3.members[0]
+    lonely = Settings(endpoints=[member.client_url], namespace="tombstone", dial_timeout=10)
+    others = Settings(
+        endpoints=[m.client_url for m in etcd3.members[1:]], namespace="tombstone", dial_timeout=15
+    )
+    conn = Connection(others)
+    k = others.keyspace.key
+    for i in range(2):
+        raw_call(conn, lambda c, i=i: c.put(k(f"e{i}"), _value(i)))
+    with EndpointWatcher(lonely, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
+        table.wait_until(lambda snap: set(snap) == {"e0", "e1"}, timeout=10)
+        applied = watcher.revision
+        member.stop(kill=True)
+        wait_for(lambda: watcher.health().state is WatcherState.RECONNECTING, message="disconnect")
+        deleted = raw_call(conn, lambda c: c.delete(k("e0"), return_response=True))
+        revision = deleted.header.revision
+        assert revision == applied + 1, "the delete is not the watcher's next revision"
+        raw_call(conn, lambda c: c.compact(revision, physical=True))
+        member.start()
+        etcd3.wait_healthy(members=[member])
+        table.wait_until(lambda snap: set(snap) == {"e1"}, timeout=15)
+    conn.close()
+
+
 def test_frozen_etcd_is_detected_by_the_watchdog(etcd) -> None:
     """SIGSTOP keeps TCP open but silent: only the watchdog can notice."""
     settings = Settings(endpoints=etcd.endpoints, namespace="frozen", dial_timeout=10)
