@@ -371,7 +371,19 @@ def test_chaos_soak(chaos_etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
         def watchers_agree() -> bool:
             return all(table_view(replay(w.events())[0]) == content for w in watchers)
 
-        wait_for(watchers_agree, timeout=30, message="every watcher's table == etcd", interval=0.2)
+        try:
+            wait_for(watchers_agree, timeout=30, message="every watcher's table == etcd")
+        except AssertionError as exc:
+            tables = [table_view(replay(w.events())[0]) for w in watchers]
+            raise AssertionError(
+                f"{exc}: "
+                + "; ".join(
+                    f"watcher {i} misses {sorted(content.keys() - t.keys())}, has extra "
+                    f"{sorted(t.keys() - content.keys())}, differs on "
+                    f"{sorted(k for k in t.keys() & content.keys() if t[k] != content[k])}"
+                    for i, t in enumerate(tables)
+                )
+            ) from None
         settle = time.monotonic() - settle_began
         problems = {i: replay(w.events())[1] for i, w in enumerate(watchers)}
         assert not any(problems.values()), problems
