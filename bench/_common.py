@@ -29,10 +29,13 @@ ROOT = BENCH.parent
 sys.path.insert(0, os.environ.get("DISCOVERY_BENCH_PACKAGE") or str(ROOT))
 
 from discovery import (  # noqa: E402 - after the path tweak
+    EngineRecord,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
+    RoutingTable,
 )
+from discovery._store import EngineStore, Entry  # noqa: E402
 from discovery.embedded import EtcdCluster, find_binary  # noqa: E402
 
 RESULTS = BENCH / "RESULTS.md"
@@ -224,6 +227,29 @@ def make_endpoint(index: int) -> InferenceEngineEndpoint:
 
 
 LABELS = {"model": "llama-3-8b", "zone": "a", "pool": "prefill"}
+
+
+def memory_table(engines: int, **capabilities: int) -> RoutingTable:
+    """A RoutingTable of ``engines`` alike engines ``engine-000``..., fed in memory (no etcd).
+
+    They advertise ``first_prefix_block``; ``capabilities`` sets ``context_length``,
+    ``kv_cache_block_size``, ``total_kv_blocks`` and ``max_num_seqs``.
+    """
+    caps = InferenceEngineCapabilities(
+        max_num_batched_tokens=8192,
+        bos_token_id=1,
+        enable_prefix_caching=True,
+        prefix_caching_coordinator_policy=PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+        **capabilities,
+    )
+    table = RoutingTable(EngineStore())
+    entries = {}
+    for i in range(engines):
+        address = f"tcp://10.0.{i // 250}.{i % 250}:5555"
+        record = EngineRecord(f"engine-{i:03d}", InferenceEngineEndpoint(address, caps))
+        entries[record.engine_id] = Entry(f"/k/{record.engine_id}", record, 1)
+    table.store.replace(entries, 1)
+    return table
 
 
 def table_text(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -19,59 +19,42 @@ import argparse
 import gc
 import heapq
 import os
-import platform
 import random
 import statistics
-import sys
 import time
 import tracemalloc
-from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import append_results, memory_table
 
-from discovery import (  # after the path tweak: runs from a checkout
-    InferenceEngineCapabilities,
-    InferenceEngineEndpoint,
-    PrefixCachingCoordinatorPolicy,
-    Router,
-    RoutingPolicy,
-    RoutingTable,
-)
-from discovery._codec import EngineRecord
-from discovery._store import EngineStore, Entry
+from discovery import Router, RoutingPolicy, RoutingTable
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SIZES = (8, 64, 512)
 BLOCK = 256
 SLOTS = 64
-TARGETS = {  # (policy, engines) -> median target in microseconds
+TARGETS = {  # (row, engines) -> median target in microseconds
     ("round_robin", 8): 5.0,
     ("round_robin", 64): 5.0,
     ("round_robin", 512): 5.0,
     ("first_prefix_block", 64): 30.0,
 }
+# Rows: each policy with its defaults, and the two prefix policies without the load bound.
+ROWS: dict[str, dict[str, Any]] = {
+    **{p.value: {"policy": p} for p in RoutingPolicy},
+    "first_prefix_block c=None": {"policy": "first_prefix_block", "load_factor": None},
+    "longest_prefix c=None": {"policy": "longest_prefix", "load_factor": None},
+}
 
 
 def make_table(engines: int) -> RoutingTable:
-    table = RoutingTable(EngineStore())  # fed by hand below
-    caps = InferenceEngineCapabilities(
+    return memory_table(
+        engines,
         context_length=8192,
         kv_cache_block_size=BLOCK,
         total_kv_blocks=4000,
         max_num_seqs=SLOTS,
-        max_num_batched_tokens=8192,
-        bos_token_id=1,
-        enable_prefix_caching=True,
-        prefix_caching_coordinator_policy=PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
     )
-    entries = {}
-    for i in range(engines):
-        address = f"tcp://10.0.{i // 250}.{i % 250}:5555"
-        record = EngineRecord(f"engine-{i:03d}", InferenceEngineEndpoint(address, caps))
-        entries[record.engine_id] = Entry(f"/k/{record.engine_id}", record, 1)
-    table.store.replace(entries, 1)
-    return table
 
 
 def make_prompts(count: int, systems: int, rng: random.Random) -> list[list[int]]:
@@ -86,8 +69,8 @@ def make_prompts(count: int, systems: int, rng: random.Random) -> list[list[int]
     ]
 
 
-def pick_latency(engines: int, policy: str, prompts: list[list[int]], picks: int) -> list[int]:
-    router = Router(make_table(engines), policy=policy)
+def pick_latency(engines: int, row: str, prompts: list[list[int]], picks: int) -> list[int]:
+    router = Router(make_table(engines), **ROWS[row])
     for prompt in prompts[:500]:  # warm-up: the router's derived state and the index
         router.pick(prompt, 128).release()
     samples = []
@@ -103,9 +86,9 @@ def pick_latency(engines: int, policy: str, prompts: list[list[int]], picks: int
 
 
 def load_spread(
-    engines: int, policy: str, prompts: list[list[int]], steps: int, rng: random.Random
+    engines: int, row: str, prompts: list[list[int]], steps: int, rng: random.Random
 ) -> tuple[float, float]:
-    router = Router(make_table(engines), policy=policy)
+    router = Router(make_table(engines), **ROWS[row])
     concurrency = engines * SLOTS * 3 // 4
     now = 0.0
     heap: list[tuple[float, int, object]] = []
@@ -135,24 +118,14 @@ def index_bytes_per_entry(prompts: list[list[int]]) -> tuple[int, float]:
         router.pick(prompt, 128).release()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    index_file = str(Path(__file__).resolve().parent.parent / "discovery" / "_router.py")
+    index_file = str(Path(__file__).resolve().parent.parent / "discovery" / "_policies.py")
     grown = sum(
         stat.size_diff
         for stat in after.compare_to(before, "filename")
         if stat.traceback[0].filename == index_file
     )
-    entries = len(router._index)
+    entries = len(router._builtins[RoutingPolicy.LONGEST_PREFIX]._index)
     return entries, grown / max(entries, 1)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
@@ -163,74 +136,52 @@ def main() -> None:
     steps = 4_000 if args.quick else 40_000
     rng = random.Random(1234)
     prompts = make_prompts(4096, 32, rng)
-    policies = [p.value for p in RoutingPolicy]
 
     latency: dict[tuple[str, int], tuple[float, float]] = {}
     for engines in SIZES:
-        for policy in policies:
-            samples = sorted(pick_latency(engines, policy, prompts, picks))
+        for row in ROWS:
+            samples = sorted(pick_latency(engines, row, prompts, picks))
             p50 = samples[len(samples) // 2] / 1000
             p99 = samples[int(len(samples) * 0.99)] / 1000
-            latency[policy, engines] = (p50, p99)
+            latency[row, engines] = (p50, p99)
     spread = {
-        (policy, engines): load_spread(engines, policy, prompts, steps, random.Random(7))
+        (row, engines): load_spread(engines, row, prompts, steps, random.Random(7))
         for engines in (8, 64)
-        for policy in policies
+        for row in ROWS
     }
     # Without shared system prompts every first block is distinct: rendezvous balance alone.
     distinct = make_prompts(4096, 0, rng)
-    for policy in policies:
-        spread[policy, "distinct"] = load_spread(64, policy, distinct, steps, random.Random(7))
+    for row in ROWS:
+        spread[row, "distinct"] = load_spread(64, row, distinct, steps, random.Random(7))
     entries, per_entry = index_bytes_per_entry(prompts)
 
     lines = [
         "pick latency in microseconds (median / p99); load spread = max/mean in-flight,",
         f"closed loop at 75% of {SLOTS} slots per engine (time-averaged / peak); @64 distinct:",
-        "no shared system prompts (every first block differs)",
+        "no shared system prompts (every first block differs); c: the load_factor",
         "",
-        f"{'policy':<20}"
+        f"{'policy':<28}"
         + "".join(f"{f'{n} engines':>16}" for n in SIZES)
         + f"{'spread @8':>14}{'spread @64':>14}{'@64 distinct':>14}",
     ]
-    for policy in policies:
-        cells = "".join(
-            f"{latency[policy, n][0]:>8.1f} /{latency[policy, n][1]:>6.1f}" for n in SIZES
-        )
+    for row in ROWS:
+        cells = "".join(f"{latency[row, n][0]:>8.1f} /{latency[row, n][1]:>6.1f}" for n in SIZES)
         spreads = "".join(
-            f"{spread[policy, n][0]:>7.2f} /{spread[policy, n][1]:>5.2f}"
-            for n in (8, 64, "distinct")
+            f"{spread[row, n][0]:>7.2f} /{spread[row, n][1]:>5.2f}" for n in (8, 64, "distinct")
         )
-        lines.append(f"{policy:<20}{cells}{spreads}")
+        lines.append(f"{row:<28}{cells}{spreads}")
     lines.append("")
-    for (policy, engines), target in TARGETS.items():
-        p50 = latency[policy, engines][0]
+    for (row, engines), target in TARGETS.items():
+        p50 = latency[row, engines][0]
         verdict = "ok" if p50 <= target else "MISSED"
-        lines.append(f"target {policy} @ {engines}: median {p50:.1f} <= {target:.0f} us: {verdict}")
+        lines.append(f"target {row} @ {engines}: median {p50:.1f} <= {target:.0f} us: {verdict}")
     lines.append(f"longest-prefix index: {entries} entries, ~{per_entry:.0f} bytes per entry")
-    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    lines.append(f"load average during the run: {load}")
     report = "\n".join(lines)
     print(report)
-
-    if args.quick:
-        return
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Benchmark results\n\n"
-            f"Machine: {os.cpu_count()} cores, {cpu_model()}, Python "
-            f"{platform.python_version()} ({platform.python_implementation()}), "
-            f"{platform.system()} {platform.release()}. The machine may be shared with other "
-            "test runs; each section notes the load average it saw.\n"
-        )
-    stamp = datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    with RESULTS.open("a") as out:
-        out.write(
-            f"\n## bench_router.py, {stamp}\n\n"
-            f"Python {platform.python_version()}, {os.cpu_count()} cores, {cpu_model()}; "
-            f"{picks} picks per cell, {steps} closed-loop events per spread cell.\n\n"
-            f"```\n{report}\n```\n"
-        )
-    print(f"\nappended to {RESULTS}")
+    print("load average:", ", ".join(f"{value:.2f}" for value in os.getloadavg()))
+    if not args.quick:
+        notes = f"{picks} picks per latency cell, {steps} closed-loop events per spread cell."
+        append_results("bench_router.py", report, notes=notes)
 
 
 if __name__ == "__main__":

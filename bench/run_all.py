@@ -1,6 +1,6 @@
-"""Run every benchmark of issue 7, then plot and summarise.
+"""Run every benchmark (issues 7 and 16), then plot and summarise.
 
-Run: ``.venv/bin/python bench/run_all.py`` (about 15 minutes on 2 cores). ``--quick`` is a
+Run: ``.venv/bin/python bench/run_all.py`` (about 20 minutes on 2 cores). ``--quick`` is a
 smoke run with small counts that leaves RESULTS.md alone; ``--only latency,codec`` runs
 some; ``--plot-only`` redraws from bench/out/*.json. Each benchmark runs as its own
 process (``bench/bench_<name>.py``), prints its table and appends its section to
@@ -24,6 +24,8 @@ BENCHMARKS = {
     "scale": ([], ["--sizes", "1000,3000", "--window", "10", "--watchers", "2"]),
     "churn": ([], ["--seconds", "5"]),
     "codec": ([], ["--records", "2000"]),
+    "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1"]),
+    "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
 }
 PLOT = BENCH / "latency.png"
 

@@ -23,7 +23,19 @@ from ._errors import (
     PermissionDeniedError,
     RecordDecodeError,
 )
+from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
 from ._metrics import Metrics, MetricsHooks
+from ._policies import (
+    Candidate,
+    Choice,
+    FirstPrefixBlockPolicy,
+    LoadBalancedPolicy,
+    LongestPrefixPolicy,
+    PickRequest,
+    Policy,
+    RoundRobinPolicy,
+    RoutingPolicy,
+)
 from ._registration import (
     Registration,
     RegistrationHealth,
@@ -34,7 +46,7 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import PickHandle, Router, RoutingPolicy
+from ._router import PickHandle, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
 from ._settings import Settings
 from ._signals import deregister_on_signals
@@ -54,6 +66,8 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "DEFAULT_ROOT",
     "MAX_VALUE_BYTES",
+    "Candidate",
+    "Choice",
     "ClosedError",
     "ConfigurationError",
     "Connection",
@@ -61,27 +75,37 @@ __all__ = [
     "EndpointEvent",
     "EndpointWatcher",
     "EngineConflictError",
+    "EngineEventReceiver",
     "EngineListing",
     "EngineRecord",
     "EtcdError",
     "EtcdUnavailableError",
     "EventType",
+    "FirstPrefixBlockPolicy",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
     "InvalidRecordError",
     "KeySpace",
     "ListedEngine",
+    "LoadBalancedPolicy",
+    "LongestPrefixPolicy",
     "Metrics",
     "MetricsHooks",
     "NoEngineAvailableError",
     "PermissionDeniedError",
     "PickHandle",
+    "PickRequest",
+    "Policy",
     "PrefixCachingCoordinatorPolicy",
+    "ReceiverHealth",
+    "ReceiverState",
     "RecordDecodeError",
     "Registration",
     "RegistrationHealth",
     "RegistrationState",
+    "RoundRobinPolicy",
     "Router",
+    "RouterHealth",
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",

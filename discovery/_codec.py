@@ -8,15 +8,20 @@ exactly ``InferenceEngineEndpoint.to_dict()`` plus optional top-level metadata
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import re
-from collections.abc import Mapping
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
-from ._endpoint import InferenceEngineEndpoint
+import msgspec
+
+from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint, _set
 from ._errors import InvalidRecordError, RecordDecodeError
 
 __all__ = [
@@ -36,6 +41,9 @@ _NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,128}")  # and not only dots
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 _MAX_LABEL_VALUE = 256
 _MAX_LABELS = 64
+_NO_LABELS: Mapping[str, str] = MappingProxyType({})
+_SHARED = 4096
+"""How many distinct capability records (and label sets) decoding shares an instance of."""
 
 
 def _check_name(value: object, what: str) -> str:
@@ -73,7 +81,7 @@ def validate_root(root: object) -> str:
 def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
     """Return a read-only copy of ``labels`` after checking keys, values and count."""
     if labels is None:
-        return MappingProxyType({})
+        return _NO_LABELS
     if not isinstance(labels, Mapping):
         raise InvalidRecordError(f"labels must be a mapping, not {type(labels).__name__}")
     if len(labels) > _MAX_LABELS:
@@ -104,7 +112,7 @@ class KeySpace:
         validate_root(self.root)
         validate_namespace(self.namespace)
 
-    @property
+    @functools.cached_property
     def prefix(self) -> str:
         """The prefix every engine key of this namespace starts with."""
         return f"{self.root}/{self.namespace}/engines/"
@@ -123,13 +131,14 @@ class KeySpace:
         except InvalidRecordError as exc:
             raise RecordDecodeError(key, str(exc)) from exc
 
-    def decode(self, key: bytes, value: bytes) -> EngineRecord:
+    def decode(self, key: bytes | str, value: bytes) -> EngineRecord:
         """Decode one key/value pair read from etcd, or raise RecordDecodeError."""
-        text_key = key.decode("utf-8", "backslashreplace")
-        return decode(text_key, value, self.engine_id(text_key))
+        if isinstance(key, bytes):
+            key = key.decode("utf-8", "backslashreplace")
+        return decode(key, value, self.engine_id(key))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineRecord:
     """One engine as stored in etcd: its id, endpoint, labels and registration time."""
 
@@ -146,6 +155,22 @@ class EngineRecord:
         object.__setattr__(self, "labels", validate_labels(self.labels))
         if self.registered_at is not None and not isinstance(self.registered_at, datetime):
             raise InvalidRecordError("registered_at must be a datetime")
+
+    @classmethod
+    def _decoded(
+        cls,
+        engine_id: str,
+        endpoint: InferenceEngineEndpoint,
+        labels: Mapping[str, str],
+        registered_at: datetime | None,
+    ) -> EngineRecord:
+        """A record from parts the decoder has already validated: nothing is checked twice."""
+        record = object.__new__(cls)
+        _set(record, "engine_id", engine_id)
+        _set(record, "endpoint", endpoint)
+        _set(record, "labels", labels)
+        _set(record, "registered_at", registered_at)
+        return record
 
     def matches(self, selector: Mapping[str, str] | None) -> bool:
         """Whether every ``key: value`` of ``selector`` is among this record's labels."""
@@ -184,9 +209,13 @@ class RecordView:
         return self.record.labels
 
 
+_encoder = msgspec.json.Encoder()
+
+
 def encode(record: EngineRecord) -> bytes:
     """Encode ``record`` as compact UTF-8 JSON, refusing values over MAX_VALUE_BYTES."""
-    data = json.dumps(record.to_value(), separators=(",", ":"), ensure_ascii=False).encode()
+    # Byte for byte json.dumps(separators=(",", ":"), ensure_ascii=False), 10x faster.
+    data = _encoder.encode(record.to_value())
     if len(data) > MAX_VALUE_BYTES:
         raise InvalidRecordError(
             f"encoded record for {record.engine_id!r} is {len(data)} bytes, over the "
@@ -195,16 +224,113 @@ def encode(record: EngineRecord) -> bytes:
     return data
 
 
+def _wire_struct(cls: type) -> type[msgspec.Struct]:
+    """A msgspec Struct with the fields, types and defaults of dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return msgspec.defstruct(
+        f"_Wire{cls.__name__}",
+        [
+            (f.name, hints[f.name])
+            if f.default is dataclasses.MISSING
+            else (f.name, hints[f.name], f.default)
+            for f in dataclasses.fields(cls)
+        ],
+        frozen=True,  # hashable: the key that shares equal capabilities
+        gc=False,
+    )
+
+
+_capabilities_decoder = msgspec.json.Decoder(_wire_struct(InferenceEngineCapabilities))
+_labels_decoder = msgspec.json.Decoder(dict[str, str] | None)
+_NULL = msgspec.Raw(b"null")
+
+
+class _WireValue(msgspec.Struct, gc=False):
+    """A stored value as msgspec checks it: the JSON types of the fields read each time.
+
+    Capabilities and labels stay raw JSON: their bytes are the key under which engines
+    share one validated instance, so a repeated set costs one bytes object, not a parse.
+    """
+
+    coordinator_address: str
+    capabilities: msgspec.Raw
+    engine_id: str | msgspec.UnsetType = msgspec.UNSET  # null is a mismatch, not "absent"
+    labels: msgspec.Raw = _NULL
+    registered_at: str | None = None
+
+
+_wire_decoder = msgspec.json.Decoder(_WireValue)
+_shared_capabilities: dict[bytes, InferenceEngineCapabilities] = {}
+_shared_labels: dict[bytes, Mapping[str, str]] = {}
+
+
+def _capabilities_of(raw: bytes) -> InferenceEngineCapabilities:
+    wire = _capabilities_decoder.decode(raw)  # types; the dataclass checks the ranges
+    return InferenceEngineCapabilities(*msgspec.structs.astuple(wire))
+
+
+def _labels_of(raw: bytes) -> Mapping[str, str]:
+    return validate_labels(_labels_decoder.decode(raw))
+
+
+def _shared(cache: dict[bytes, Any], raw: msgspec.Raw, build: Callable[[bytes], Any]) -> Any:
+    """The instance built from JSON ``raw``, shared by every value with the same bytes."""
+    key = bytes(raw)
+    found = cache.get(key)
+    if found is None:
+        found = build(key)  # raises for a bad value: nothing is cached
+        if len(cache) >= _SHARED:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
 def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
-    """Decode the value stored at ``key`` for ``engine_id``, or raise RecordDecodeError."""
+    """Decode the value stored at ``key``, or raise RecordDecodeError.
+
+    ``engine_id`` is the id the key names, already validated (``KeySpace.engine_id``).
+    One pass: msgspec parses and checks the JSON type of every field we read (an int is
+    never a bool or a float, as Megatron requires), then ranges and label rules are
+    checked once per distinct capability record and label set, and engines that share
+    them share one instance. Any value msgspec refuses takes the exact path (``json.loads``
+    and Megatron's ``from_dict``), which accepts what Megatron accepts and names the
+    problem: the hot path never decides that a value is bad.
+    """
+    try:
+        if not value.isascii():  # ASCII, the usual value, is UTF-8 as it stands
+            value.decode("utf-8")  # msgspec does not check UTF-8 in the fields it skips
+        return _fast_record(_wire_decoder.decode(value), engine_id)
+    except (msgspec.MsgspecError, ValueError, TypeError):  # UnicodeDecodeError is a ValueError
+        pass  # the exact path names the problem
+    return _exact_record(key, _loads_exactly(key, value), engine_id)
+
+
+def _fast_record(wire: _WireValue, engine_id: str) -> EngineRecord:
+    """The record of a value msgspec has type-checked; raises on any other problem."""
+    if wire.engine_id is not msgspec.UNSET and wire.engine_id != engine_id:
+        raise ValueError("engine_id does not match the key")
+    capabilities = _shared(_shared_capabilities, wire.capabilities, _capabilities_of)
+    return EngineRecord._decoded(
+        engine_id,
+        InferenceEngineEndpoint._checked(wire.coordinator_address, capabilities),
+        _shared(_shared_labels, wire.labels, _labels_of),
+        _parse_time(wire.registered_at),
+    )
+
+
+def _loads_exactly(key: str, value: bytes) -> Any:
     try:
         text = value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecordDecodeError(key, f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise RecordDecodeError(key, f"not JSON ({exc})") from exc
+
+
+def _exact_record(key: str, obj: Any, engine_id: str) -> EngineRecord:
+    """What json.loads parsed, validated by Megatron's rules (every problem named)."""
     if not isinstance(obj, dict):
         raise RecordDecodeError(key, f"a JSON {type(obj).__name__}, not an object")
     try:
@@ -216,15 +342,14 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     stored_id = obj.get("engine_id", engine_id)
     if stored_id != engine_id:
         raise RecordDecodeError(key, f"engine_id {stored_id!r} does not match the key")
-    labels = obj.get("labels")  # null means none; false, [] or "" are bad labels
     try:
-        return EngineRecord(
-            engine_id=engine_id,
-            endpoint=endpoint,
-            labels=MappingProxyType({}) if labels is None else labels,
-            registered_at=_parse_time(obj.get("registered_at")),
+        return EngineRecord._decoded(
+            engine_id,
+            endpoint,
+            validate_labels(obj.get("labels")),  # null: none; false, [] or "" are bad
+            _parse_time(obj.get("registered_at")),
         )
-    except (InvalidRecordError, ValueError, TypeError) as exc:
+    except ValueError as exc:  # InvalidRecordError is one
         raise RecordDecodeError(key, str(exc)) from exc
 
 

@@ -45,6 +45,7 @@ import etcd3
 import etcd3.exceptions as etcd3_exc
 import grpc
 from etcd3 import etcdrpc
+from etcd3.client import EtcdTokenCallCredentials
 from etcd3.utils import prefix_range_end
 from tenacity import (
     RetryCallState,
@@ -214,7 +215,42 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
     benched, so a single-member client is unusable after any blip. Here a failed
     member is avoided while others are healthy; when all are benched, the one benched
     longest ago is tried at once.
+
+    Upstream also authenticates with one member chosen at random and no failover: a
+    member that does not answer (a name that does not resolve) failed the whole client.
+    Here a member that fails to answer is benched and the next one tried.
     """
+
+    call_credentials: grpc.CallCredentials | None  # None on a plaintext channel
+
+    def __init__(
+        self,
+        *,
+        endpoints: list[etcd3.Endpoint],
+        timeout: float,
+        user: str | None,
+        password: str | None,
+    ) -> None:
+        super().__init__(endpoints=endpoints, timeout=timeout, failover=True)
+        if user is not None and password is not None:
+            self._authenticate(etcdrpc.AuthenticateRequest(name=user, password=password))
+
+    def _authenticate(self, request: Any) -> None:
+        last = len(self.endpoints) - 1
+        for attempt in range(last + 1):
+            try:
+                response = self.authstub.Authenticate(request, self.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() not in _MEMBER_FAILURE_CODES or attempt == last:
+                    raise
+                self.endpoint_in_use.fail()  # benched: the next try goes to another member
+                self._clear_old_stubs()
+                continue
+            self.metadata = (("token", response.token),)
+            self.call_credentials = grpc.metadata_call_credentials(
+                EtcdTokenCallCredentials(response.token)
+            )
+            return
 
     @property
     def channel(self) -> grpc.Channel:
@@ -288,7 +324,6 @@ class Connection:
                 timeout=s.request_timeout,
                 user=s.username,
                 password=s.read_password(),  # a rotated password file is read again
-                failover=True,
             )
         except BaseException:
             for member in members:
@@ -611,8 +646,14 @@ class _WatchStream(_Stream):
     ) -> None:
         super().__init__(client, on_token_expired)
         key = prefix.encode()
+        # progress_notify: etcd's periodic progress responses (member flag
+        # --experimental-watch-progress-notify-interval) also cross an etcd gRPC proxy,
+        # which drops the watchdog's progress requests (deploy/README.md).
         create = etcdrpc.WatchCreateRequest(
-            key=key, range_end=prefix_range_end(key), start_revision=start_revision
+            key=key,
+            range_end=prefix_range_end(key),
+            start_revision=start_revision,
+            progress_notify=True,
         )
         self.send(etcdrpc.WatchRequest(create_request=create))
         self._open(etcdrpc.WatchStub(self._channel).Watch)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Protocol
 
 __all__ = [
@@ -79,20 +80,44 @@ class InferenceEngineCapabilities:
 
     def __post_init__(self) -> None:
         """Validate types first, then ranges, with Megatron's exception types."""
-        for name in _INTEGER_FIELDS:
-            value = getattr(self, name)
-            # bool is an int subclass; Megatron rejects it, and so do we.
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an integer")
-        if not isinstance(self.enable_prefix_caching, bool):
+        # Plain comparisons for the common case; the loops below only run to name the
+        # first offending field, in Megatron's order.
+        context_length = self.context_length
+        kv_cache_block_size = self.kv_cache_block_size
+        total_kv_blocks = self.total_kv_blocks
+        max_num_seqs = self.max_num_seqs
+        max_num_batched_tokens = self.max_num_batched_tokens
+        logical_data_parallel_size = self.logical_data_parallel_size
+        if not (
+            type(context_length) is int
+            and type(kv_cache_block_size) is int
+            and type(total_kv_blocks) is int
+            and type(max_num_seqs) is int
+            and type(max_num_batched_tokens) is int
+            and type(self.bos_token_id) is int
+            and type(logical_data_parallel_size) is int
+        ):
+            for name in _INTEGER_FIELDS:
+                value = getattr(self, name)
+                # bool is an int subclass; Megatron rejects it, and so do we.
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{name} must be an integer")
+        if type(self.enable_prefix_caching) is not bool:
             raise TypeError("enable_prefix_caching must be a boolean")
         policy = self.prefix_caching_coordinator_policy
-        if policy is not None and not isinstance(policy, PrefixCachingCoordinatorPolicy):
+        if policy is not None and type(policy) is not PrefixCachingCoordinatorPolicy:
             raise TypeError("prefix_caching_coordinator_policy must be a routing policy")
-        for name in _POSITIVE_FIELDS:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.total_kv_blocks < 0:
+        if not (
+            context_length > 0
+            and kv_cache_block_size > 0
+            and max_num_seqs > 0
+            and max_num_batched_tokens > 0
+            and logical_data_parallel_size > 0
+        ):
+            for name in _POSITIVE_FIELDS:
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name} must be positive")
+        if total_kv_blocks < 0:
             raise ValueError("total_kv_blocks must be non-negative")
 
     @classmethod
@@ -140,7 +165,11 @@ class InferenceEngineCapabilities:
 
     def to_dict(self) -> dict[str, int | bool | str | None]:
         """Return a serialization-friendly representation."""
-        return asdict(self)
+        return dict(zip(_FIELD_NAMES, _field_values(self), strict=True))
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(InferenceEngineCapabilities))
+_field_values = attrgetter(*_FIELD_NAMES)
 
 
 def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
@@ -165,12 +194,7 @@ class InferenceEngineEndpoint:
 
     def __post_init__(self) -> None:
         """Validate with Megatron's exception types."""
-        if not isinstance(self.coordinator_address, str):
-            raise TypeError("coordinator_address must be a string")
-        if not self.coordinator_address:
-            raise ValueError("coordinator_address must be non-empty")
-        if not isinstance(self.capabilities, InferenceEngineCapabilities):
-            raise TypeError("capabilities must be InferenceEngineCapabilities")
+        _check_endpoint(self.coordinator_address, self.capabilities)
 
     @classmethod
     def from_engine(
@@ -200,6 +224,32 @@ class InferenceEngineEndpoint:
             capabilities=InferenceEngineCapabilities.from_dict(capabilities),
         )
 
+    @classmethod
+    def _checked(
+        cls, coordinator_address: str, capabilities: InferenceEngineCapabilities
+    ) -> InferenceEngineEndpoint:
+        """The same validation as the constructor, without its generic set-up (codec)."""
+        _check_endpoint(coordinator_address, capabilities)
+        endpoint = object.__new__(cls)
+        _set(endpoint, "coordinator_address", coordinator_address)
+        _set(endpoint, "capabilities", capabilities)
+        return endpoint
+
     def to_dict(self) -> dict[str, Any]:
         """Return a serialization-friendly representation."""
-        return asdict(self)
+        return {
+            "coordinator_address": self.coordinator_address,
+            "capabilities": self.capabilities.to_dict(),
+        }
+
+
+_set = object.__setattr__  # how a frozen dataclass sets its own fields
+
+
+def _check_endpoint(address: object, capabilities: object) -> None:
+    if not isinstance(address, str):
+        raise TypeError("coordinator_address must be a string")
+    if not address:
+        raise ValueError("coordinator_address must be non-empty")
+    if not isinstance(capabilities, InferenceEngineCapabilities):
+        raise TypeError("capabilities must be InferenceEngineCapabilities")

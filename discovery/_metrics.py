@@ -58,6 +58,10 @@ class MetricsHooks(Protocol):
         """A lease was revoked on close, taking ``seconds``."""
         return None
 
+    def engine_event(self, outcome: str) -> None:
+        """An engine-event frame arrived: ``ready``, ``ignored``, ``malformed``, ``rejected``."""
+        return None
+
     def watcher_connected(self, prefix: str, connected: bool) -> None:
         """The watch stream of ``prefix`` went up or down."""
         return None
@@ -88,6 +92,10 @@ class MetricsHooks(Protocol):
 
     def no_engine(self) -> None:
         """A pick found no engine."""
+        return None
+
+    def request_failed(self, outcome: str) -> None:
+        """A routed request failed; what fencing did: ``fenced``, ``limited`` or ``""``."""
         return None
 
     def observe_router(self, router: Any) -> None:
@@ -196,12 +204,28 @@ class Metrics(MetricsHooks):
             registry=registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1),
         )
+        # engine events (discovery launch, EngineEventReceiver)
+        self._engine_events = counter(
+            "discovery_engine_events_total",
+            "Engine-event frames received, by outcome: ready, ignored, malformed, rejected.",
+            ("outcome",),
+        )
         # routing
         self._picks = counter(
             "discovery_router_picks_total", "Engines picked, by the policy that chose.", ("policy",)
         )
         self._no_fit = counter(
             "discovery_router_no_engine_total", "Picks that found no engine passing the filters."
+        )
+        self._failed = counter(
+            "discovery_router_failed_requests_total", "Handles released with failed=True."
+        )
+        self._fences = counter(
+            "discovery_router_fences_total", "Engines fenced after consecutive failed requests."
+        )
+        self._fence_limited = counter(
+            "discovery_router_fence_limited_total",
+            "Failed requests whose engine stayed in rotation: max_fenced_share was reached.",
         )
         registry.register(_LiveCollector(self))
 
@@ -241,6 +265,10 @@ class Metrics(MetricsHooks):
     def revoked(self, seconds: float) -> None:
         """Observe how long a revoke took."""
         self._revoke.observe(seconds)
+
+    def engine_event(self, outcome: str) -> None:
+        """Count one engine-event frame by its outcome."""
+        self._engine_events.labels(outcome).inc()
 
     # -- watcher -----------------------------------------------------------------------
 
@@ -285,8 +313,16 @@ class Metrics(MetricsHooks):
         """Count a pick that found no engine."""
         self._no_fit.inc()
 
+    def request_failed(self, outcome: str) -> None:
+        """Count a failed request and what it did: ``fenced``, ``limited`` or nothing."""
+        self._failed.inc()
+        if outcome == "fenced":
+            self._fences.inc()
+        elif outcome == "limited":
+            self._fence_limited.inc()
+
     def observe_router(self, router: Any) -> None:
-        """Export ``router``'s in-flight requests per engine at scrape time."""
+        """Export ``router``'s in-flight requests and fenced engines at scrape time."""
         self._routers.add(router)
 
     def observe_table(self, table: Any) -> None:
@@ -332,13 +368,24 @@ class _LiveCollector:
             "Unreleased pick handles per engine.",
             labels=["engine_id"],
         )
+        fenced = GaugeMetricFamily(
+            "discovery_router_fenced_seconds",
+            "Seconds until a fenced engine's fence ends (fenced engines only).",
+            labels=["engine_id"],
+        )
         totals: dict[str, int] = {}
+        fences: dict[str, float] = {}
         for router in list(metrics._routers):
             for engine_id, count in router.in_flight().items():
                 totals[engine_id] = totals.get(engine_id, 0) + count
+            for engine_id, seconds in router.health().fenced.items():
+                fences[engine_id] = max(fences.get(engine_id, 0.0), seconds)
         for engine_id, count in sorted(totals.items()):
             in_flight.add_metric([engine_id], count)
         yield in_flight
+        for engine_id, seconds in sorted(fences.items()):
+            fenced.add_metric([engine_id], seconds)
+        yield fenced
 
 
 def _staleness(watchers: list[Any]) -> Iterator[Any]:

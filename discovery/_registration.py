@@ -114,6 +114,13 @@ def default_engine_id() -> str:
     return f"{host}-{os.getpid()}-{_process_nonce}{suffix}"
 
 
+def validate_ttl(ttl: object) -> float:
+    """Return ``ttl`` if it is a positive number of seconds, else raise InvalidRecordError."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+        raise InvalidRecordError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    return ttl
+
+
 class _Keeper:
     """Keeps every lease of one Connection alive from one thread and one stream."""
 
@@ -285,8 +292,7 @@ class Registration:
         owns_connection: bool,
         metrics: MetricsHooks | None = None,
     ) -> None:
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
-            raise InvalidRecordError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        validate_ttl(ttl)
         self._record = record
         self._conn = connection
         self._owns_connection = owns_connection

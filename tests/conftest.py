@@ -1,15 +1,20 @@
 """Real etcd for the tests.
 
 * ``etcd_endpoints`` (session): ``$DISCOVERY_TEST_ETCD_ENDPOINTS`` if set; else an etcd
-  container through testcontainers when a Docker engine answers; else a local etcd
-  binary (the path CI takes here). Tests that share it use their own namespace.
-* ``etcd`` / ``etcd3`` (per test): private local members the test may kill and restart.
+  container of the offline image (deploy/images/) through testcontainers when a Docker
+  engine answers (the path CI takes: .ci/run prepares one); else a local etcd binary.
+  Tests that share it use their own namespace.
+* ``etcd`` / ``etcd3`` (per test): private local members the test may kill and restart;
+  ``etcd`` parametrized with ``"container"`` (``tests.containers.both_etcds``) is a
+  private etcd container instead.
 * ``netns_etcd3`` (per test): 3 members in network namespaces that the test may partition
   (``discovery.embedded_netns``); skipped, with the reason, where namespaces cannot be
-  built (not root, no iproute2).
+  built (not root, no iproute2). ``chaos_etcd3``: the same where it can be built, else 3
+  loopback members and a warning.
 
-Every local member is checked to be gone, with its data directory (and its namespaces
-and links), after the test.
+Tests marked ``docker`` need a Docker engine and the images: without them they are
+skipped with the reason. Every local member is checked to be gone, with its data
+directory (and its namespaces and links), after the test; every container, to be removed.
 """
 
 from __future__ import annotations
@@ -27,50 +32,43 @@ from discovery import Settings
 from discovery.embedded import EtcdCluster
 from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
 
-_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
+from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
 
 
-def _docker_answers() -> bool:
-    try:
-        import docker  # noqa: PLC0415
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip Docker tests, with the reason, where they cannot run; count them last."""
+    docker_items = [item for item in items if item.get_closest_marker("docker")]
+    problem = docker_problem() if docker_items else None
+    if problem:
+        for item in docker_items:
+            item.add_marker(pytest.mark.skip(reason=f"Docker test: {problem}"))
+    # The test that counts the Docker tests runs after all of them.
+    counters = [item for item in items if item.get_closest_marker("counts_docker_tests")]
+    for item in counters:
+        items.remove(item)
+        items.append(item)
 
-        docker.from_env(timeout=2).ping()
-        return True
-    except Exception:
-        return False
 
-
-@contextlib.contextmanager
-def _container_etcd() -> Iterator[list[str]]:
-    from testcontainers.core.container import DockerContainer  # noqa: PLC0415
-    from testcontainers.core.waiting_utils import wait_for_logs  # noqa: PLC0415
-
-    container = (
-        DockerContainer(_ETCD_IMAGE)
-        .with_command(
-            "etcd --listen-client-urls http://0.0.0.0:2379 "
-            "--advertise-client-urls http://0.0.0.0:2379"
-        )
-        .with_exposed_ports(2379)
-    )
-    with container:
-        wait_for_logs(container, "ready to serve client requests", timeout=30)
-        host = container.get_container_host_ip()
-        yield [f"http://{host}:{container.get_exposed_port(2379)}"]
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Record each Docker test's outcome for the test that counts them."""
+    if "docker" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        DOCKER_OUTCOMES[report.nodeid] = report.outcome
 
 
 @contextlib.contextmanager
-def _checked_cluster(size: int, cls=EtcdCluster, **kwargs) -> Iterator[EtcdCluster]:
-    cluster = cls(size, **kwargs).start()
-    base_dir = Path(cluster.base_dir)
+def _checked_cluster(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
+    cluster.start()
+    base_dir = cluster.base_dir
     processes = [m.process for m in cluster.members]
-    prefix = getattr(cluster, "prefix", None)
+    prefix = cluster.prefix if isinstance(cluster, PartitionableCluster) else None
     try:
         yield cluster
     finally:
         cluster.stop()
     assert all(p is None or p.poll() is not None for p in processes), "etcd left running"
-    assert not base_dir.exists(), f"etcd data directory {base_dir} left behind"
+    assert not base_dir or not Path(base_dir).exists(), f"etcd data {base_dir} left behind"
+    if isinstance(cluster, ContainerEtcd):
+        assert not cluster.containers_left(), "etcd container left behind"
     if prefix is not None:
         assert not leftovers(prefix), f"namespaces or links left behind: {leftovers(prefix)}"
 
@@ -80,12 +78,10 @@ def etcd_endpoints() -> Iterator[list[str]]:
     configured = os.environ.get("DISCOVERY_TEST_ETCD_ENDPOINTS")
     if configured:
         yield configured.split(",")
-    elif _docker_answers():
-        with _container_etcd() as endpoints:
-            yield endpoints
-    else:
-        with _checked_cluster(1) as cluster:
-            yield cluster.endpoints
+        return
+    cluster = ContainerEtcd() if docker_problem() is None else EtcdCluster(1)
+    with _checked_cluster(cluster):
+        yield cluster.endpoints
 
 
 def _namespace(request: pytest.FixtureRequest) -> str:
@@ -100,16 +96,18 @@ def settings(etcd_endpoints: list[str], request: pytest.FixtureRequest) -> Setti
 
 
 @pytest.fixture
-def etcd() -> Iterator[EtcdCluster]:
-    """A private single etcd member the test may kill and restart."""
-    with _checked_cluster(1) as cluster:
+def etcd(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
+    """A private single etcd member the test may kill and restart (a process, or a
+    container when parametrized with ``"container"``)."""
+    kind = getattr(request, "param", "process")
+    with _checked_cluster(ContainerEtcd() if kind == "container" else EtcdCluster(1)) as cluster:
         yield cluster
 
 
 @pytest.fixture
 def etcd3() -> Iterator[EtcdCluster]:
     """A private 3-member etcd cluster."""
-    with _checked_cluster(3) as cluster:
+    with _checked_cluster(EtcdCluster(3)) as cluster:
         yield cluster
 
 
@@ -124,7 +122,8 @@ def netns_available() -> None:
 @pytest.fixture
 def netns_etcd3(netns_available: None) -> Iterator[PartitionableCluster]:
     """A private 3-member cluster, one network namespace per member: cut() / heal() them."""
-    with _checked_cluster(3, PartitionableCluster) as cluster:
+    with _checked_cluster(PartitionableCluster(3)) as cluster:
+        assert isinstance(cluster, PartitionableCluster)
         yield cluster
 
 
@@ -135,7 +134,7 @@ def chaos_etcd3() -> Iterator[EtcdCluster]:
     reason = unavailable_reason()
     if reason is not None:
         warnings.warn(f"chaos soak without partitions: {reason}", pytest.PytestWarning, 2)
-    with _checked_cluster(3, EtcdCluster if reason else PartitionableCluster) as cluster:
+    with _checked_cluster(EtcdCluster(3) if reason else PartitionableCluster(3)) as cluster:
         yield cluster
 
 

@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from discovery import (
+    EndpointEvent,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
@@ -229,3 +231,45 @@ def run_python(code: str, env: dict[str, str], timeout: float = 60) -> tuple[int
         out, err = process.communicate()
         raise AssertionError(f"hung for {timeout} s; threads:\n{err[-6000:]}") from None
     return process.returncode, out, err
+
+
+class WatchLog:
+    """Every event of an EndpointWatcher, with the monotonic time it arrived."""
+
+    def __init__(self, settings: Settings) -> None:
+        from discovery import EndpointWatcher  # noqa: PLC0415
+
+        self._cond = threading.Condition()
+        self.events: list[tuple[float, EndpointEvent]] = []
+        self.watcher = EndpointWatcher(settings).start()
+        self.watcher.subscribe(self._add)
+
+    def _add(self, event: EndpointEvent) -> None:
+        with self._cond:
+            self.events.append((time.monotonic(), event))
+            self._cond.notify_all()
+
+    def kinds(self, engine_id: str) -> list[str]:
+        with self._cond:
+            return [e.type.value for _, e in self.events if e.engine_id == engine_id]
+
+    def wait(self, engine_id: str, kind: str, timeout: float = 10.0) -> tuple[float, EndpointEvent]:
+        """The first ``kind`` event of ``engine_id``: (arrival time, event)."""
+
+        def found() -> tuple[float, EndpointEvent] | None:
+            return next(
+                (
+                    (at, e)
+                    for at, e in self.events
+                    if e.engine_id == engine_id and e.type.value == kind
+                ),
+                None,
+            )
+
+        with self._cond:
+            if not self._cond.wait_for(found, timeout):
+                raise AssertionError(f"no {kind} event for {engine_id} within {timeout} s")
+            return found()
+
+    def stop(self) -> None:
+        self.watcher.stop()

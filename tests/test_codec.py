@@ -299,6 +299,56 @@ def test_round_trip_without_metadata() -> None:
     assert KeySpace().decode(KEY.encode(), encode(record)) == record
 
 
+def test_integers_beyond_64_bits_round_trip() -> None:
+    # Valid for Megatron (a Python int); the fast JSON library cannot hold them.
+    caps = caps_kwargs(context_length=2**70, bos_token_id=-(2**70))
+    record = make_record(
+        endpoint=InferenceEngineEndpoint(ADDRESS, InferenceEngineCapabilities(**caps))
+    )
+    data = encode(record)
+    assert json.loads(data)["capabilities"]["context_length"] == 2**70
+    assert KeySpace().decode(KEY.encode(), data) == record
+
+
+@pytest.mark.parametrize("extra", [b"NaN", b"-Infinity", b'"\\ud800"'], ids=repr)
+def test_values_json_loads_reads_decode(extra: bytes) -> None:
+    # Unknown keys are ignored, as Megatron's json.loads + from_dict ignore them.
+    value = encode(make_record())[:-1] + b',"future":' + extra + b"}"
+    assert KeySpace().decode(KEY.encode(), value) == make_record()
+
+
+def test_non_utf8_bytes_in_an_ignored_field_are_still_not_utf8() -> None:
+    value = encode(make_record())[:-1] + b',"future":"\xff"}'
+    assert_decode_error(value, "not UTF-8")
+
+
+def test_non_ascii_values_round_trip() -> None:
+    record = make_record(
+        endpoint=InferenceEngineEndpoint("tcp://h\u00f4te:1", make_endpoint().capabilities),
+        labels={"owner": "Zo\u00eb"},
+    )
+    assert KeySpace().decode(KEY.encode(), encode(record)) == record
+
+
+def test_decoded_records_share_equal_capabilities_and_labels() -> None:
+    first = KeySpace().decode(KEY.encode(), encode(make_record()))
+    other_key = KEY.replace("engine-1", "engine-2")
+    second = KeySpace().decode(other_key.encode(), encode(make_record(engine_id="engine-2")))
+    assert first.endpoint.capabilities is second.endpoint.capabilities
+    assert first.labels is second.labels
+    with pytest.raises(TypeError):
+        second.labels["model"] = "x"  # type: ignore[index]
+
+
+def test_sharing_keeps_types_apart() -> None:
+    # 1 == True and 1 == 1.0: a shared instance must never stand in for another type.
+    good = megatron_value(logical_data_parallel_size=1)
+    assert decode_obj(good).endpoint.capabilities.logical_data_parallel_size == 1
+    for bad in (True, 1.0):
+        with pytest.raises(RecordDecodeError, match="logical_data_parallel_size must be an int"):
+            decode_obj(megatron_value(logical_data_parallel_size=bad))
+
+
 # --- Size limit ---------------------------------------------------------------------------
 
 

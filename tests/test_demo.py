@@ -11,16 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _processes_mentioning(marker: str) -> list[str]:
+def _processes_mentioning(marker: str, where: str = "cmdline") -> list[str]:
+    """Processes with ``marker`` in their command line (or environment: ``where``)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            text = (entry / where).read_bytes().replace(b"\0", b" ").decode(errors="replace")
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if marker in cmdline:
+        if marker in text:
             found.append(f"{entry.name}: {cmdline}")
     return found
 
@@ -47,11 +49,15 @@ def test_demo_runs_under_a_minute_and_leaves_nothing_running(tmp_path: Path) -> 
     assert "3 engines: demo-engine-0, demo-engine-1, demo-engine-2" in out
     hard = re.search(r"demo-engine-0 removed (\d+\.\d+) s after SIGKILL", out)
     soft = re.search(r"demo-engine-1 removed (\d+\.\d+) s after SIGTERM", out)
-    assert hard and soft, out
+    crash = re.search(r"demo-engine-2 removed (\d+\.\d+) s after SIGKILL", out)
+    assert hard and soft and crash, out
     assert 2.0 <= float(hard.group(1)) <= 3 + 2  # the lease had to expire
     assert float(soft.group(1)) < 0.5  # the lease was revoked
+    assert float(crash.group(1)) < 1.0  # the engine died: its launcher revoked the lease
     assert "etcdctl --endpoints http://127.0.0.1:" in out and "get --prefix" in out
     assert "nothing left running" in out
     assert _processes_mentioning(namespace) == []
     assert _processes_mentioning(str(tmp_path)) == []
+    # Engines, launchers and guards inherit the demo's environment: none may be left.
+    assert _processes_mentioning(f"TMPDIR={tmp_path}", where="environ") == []
     assert not any(tmp_path.glob("discovery-etcd-*")), "etcd data directory left behind"

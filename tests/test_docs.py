@@ -43,6 +43,10 @@ INTENDED = {
     "Registration",
     "RegistrationState",
     "RegistrationHealth",
+    # automatic registration on engine start (Megatron's engine events)
+    "EngineEventReceiver",
+    "ReceiverState",
+    "ReceiverHealth",
     # watching and routing
     "EndpointWatcher",
     "EndpointEvent",
@@ -56,8 +60,18 @@ INTENDED = {
     "ListedEngine",
     "RoutingSnapshot",
     "Router",
+    "RouterHealth",
     "RoutingPolicy",
     "PickHandle",
+    # routing policies: the protocol, what it sees, the built-in classes
+    "Policy",
+    "Candidate",
+    "PickRequest",
+    "Choice",
+    "RoundRobinPolicy",
+    "LoadBalancedPolicy",
+    "FirstPrefixBlockPolicy",
+    "LongestPrefixPolicy",
     # errors
     "DiscoveryError",
     "ConfigurationError",

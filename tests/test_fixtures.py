@@ -1,4 +1,5 @@
-"""The test fixtures themselves: an external etcd is used when configured."""
+"""The test fixtures themselves: an external etcd when configured, else a container when
+Docker answers; Docker tests run in CI; partitionable clusters cut, heal and leave nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from discovery.embedded_netns import leftovers, sweep_stale
 
+from .containers import DOCKER_OUTCOMES, docker_problem
 from .helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,3 +132,37 @@ def test_leftovers_of_a_dead_owner_are_swept_at_the_next_start(netns_available) 
     assert leftovers(prefix), "nothing was left to sweep"
     assert prefix in sweep_stale()
     assert not leftovers(prefix)
+
+
+@pytest.mark.docker
+def test_the_shared_etcd_is_the_container_when_docker_answers(etcd_endpoints) -> None:
+    if os.environ.get("DISCOVERY_TEST_ETCD_ENDPOINTS"):
+        pytest.skip("DISCOVERY_TEST_ETCD_ENDPOINTS names the shared etcd")
+    import docker  # noqa: PLC0415
+
+    port = etcd_endpoints[0].rsplit(":", 1)[1]
+    client = docker.from_env()
+    try:
+        published = [
+            binding
+            for container in client.containers.list()
+            for binding in (container.ports.get("2379/tcp") or [])
+        ]
+    finally:
+        client.close()
+    assert {"HostIp": "127.0.0.1", "HostPort": port} in published
+
+
+@pytest.mark.counts_docker_tests
+def test_every_docker_test_ran_in_ci(request: pytest.FixtureRequest) -> None:
+    """Runs last (conftest). Under CI=true, a skipped or missing Docker test fails CI."""
+    collected = [i.nodeid for i in request.session.items if i.get_closest_marker("docker")]
+    skipped = sorted(n for n in collected if DOCKER_OUTCOMES.get(n) == "skipped")
+    ran = [n for n in collected if DOCKER_OUTCOMES.get(n) in ("passed", "failed")]
+    print(f"Docker tests: {len(collected)} collected, {len(ran)} ran, {len(skipped)} skipped")
+    if os.environ.get("CI") == "true":
+        assert collected, "CI collected no Docker test"
+        assert not skipped, f"CI skipped {len(skipped)} Docker tests: {docker_problem()}"
+        assert len(ran) == len(collected), sorted(set(collected) - set(ran))
+    elif skipped:
+        pytest.skip(f"{len(skipped)} Docker tests skipped: {docker_problem()}")

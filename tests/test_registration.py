@@ -31,6 +31,7 @@ from discovery import (
 )
 from discovery._codec import KeySpace
 
+from .containers import both_etcds
 from .helpers import (
     Registrar,
     cli_env,
@@ -264,6 +265,7 @@ def test_signal_helper_revokes_then_exits_like_the_default_handler(settings: Set
         process.stdout.close()
 
 
+@both_etcds
 def test_etcd_restart_within_ttl_never_removes_the_record(etcd, private_settings: Settings) -> None:
     with register_engine(
         make_endpoint(), engine_id="steady", ttl=6, settings=private_settings
@@ -284,6 +286,7 @@ def test_etcd_restart_within_ttl_never_removes_the_record(etcd, private_settings
         assert reg.health().losses == 0
 
 
+@both_etcds
 def test_outage_longer_than_ttl_reregisters_within_2s(etcd, private_settings: Settings) -> None:
     registrar = Registrar(private_settings, "survivor", ttl=2)
     key = private_settings.keyspace.key("survivor")

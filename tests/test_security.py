@@ -82,7 +82,7 @@ def etcd_tls(pki: Pki) -> Iterator[EtcdCluster]:
         client_cert=str(pki.client_cert),
         client_key=str(pki.client_key),
     )
-    with _checked_cluster(1, tls=tls) as cluster:
+    with _checked_cluster(EtcdCluster(1, tls=tls)) as cluster:
         yield cluster
 
 
@@ -170,7 +170,7 @@ def _setup_auth(cluster: EtcdCluster) -> None:
 
 @pytest.fixture
 def etcd_auth() -> Iterator[EtcdCluster]:
-    with _checked_cluster(1) as cluster:
+    with _checked_cluster(EtcdCluster(1)) as cluster:
         _setup_auth(cluster)
         yield cluster
 
@@ -196,7 +196,7 @@ def etcd_jwt(tmp_path: Path) -> Iterator[EtcdCluster]:
         )
     )
     token = f"jwt,pub-key={public},priv-key={private},sign-method=RS256,ttl={_JWT_TTL}s"
-    with _checked_cluster(1, extra_args=["--auth-token", token]) as cluster:
+    with _checked_cluster(EtcdCluster(1, extra_args=["--auth-token", token])) as cluster:
         _setup_auth(cluster)
         yield cluster
 

@@ -31,6 +31,7 @@ from discovery import (
 )
 from discovery._codec import EngineRecord, encode
 
+from .containers import both_etcds
 from .helpers import make_endpoint, raw_call, wait_for
 
 
@@ -296,6 +297,7 @@ def _writes_survive(settings: Settings, fault: Callable[[], Callable[[], None]])
     return health
 
 
+@both_etcds
 def test_etcd_restart_during_writes_loses_nothing(etcd) -> None:
     settings = Settings(endpoints=etcd.endpoints, namespace="restart", dial_timeout=10)
 

@@ -14,12 +14,20 @@ from .._errors import ConfigurationError, DiscoveryError, InvalidRecordError
 from ._args import (
     UsageError,
     add_endpoint_flags,
+    add_launch_flags,
     add_metrics_flags,
     add_registration_flags,
     add_settings_flags,
     setup_logging,
 )
-from ._commands import EXIT_FAILURE, cmd_deregister, cmd_list, cmd_register, cmd_watch
+from ._commands import (
+    EXIT_FAILURE,
+    cmd_deregister,
+    cmd_launch,
+    cmd_list,
+    cmd_register,
+    cmd_watch,
+)
 from ._demo import cmd_demo
 
 __all__ = ["build_parser", "main"]
@@ -40,6 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(reg)
     add_metrics_flags(reg)
     reg.set_defaults(func=cmd_register)
+
+    launch = commands.add_parser(
+        "launch",
+        help="start an engine command and register it from its ready message",
+        usage="discovery launch [options] -- COMMAND ... {event_address} ...",
+        description="Start COMMAND with the engine-event socket's address in place of "
+        "{event_address}, register the engine from its ready message, and revoke the record "
+        "when it exits. Exit status: the engine's (128 + N when killed by signal N); 0 when "
+        "SIGTERM/SIGINT stopped it; 1 no valid ready message in time or registration refused; "
+        "2 bad input; 126/127 COMMAND cannot run / not found.",
+    )
+    add_launch_flags(launch)
+    add_registration_flags(launch)
+    add_settings_flags(launch)
+    add_metrics_flags(launch)
+    launch.set_defaults(func=cmd_launch)
 
     dereg = commands.add_parser("deregister", help="remove an engine's record by id")
     dereg.add_argument("engine_id")

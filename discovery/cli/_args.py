@@ -1,7 +1,7 @@
 """Every flag of the ``discovery`` command, defined once; and what they build.
 
 Commands (``_commands.py``) and the demo (``_demo.py``) take their flags from here; the
-demo also turns settings back into flags for the engine processes it starts.
+demo also turns settings back into flags for the engine launchers it starts.
 """
 
 from __future__ import annotations
@@ -180,6 +180,32 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replace", action="store_true", help="take over a live engine's id")
 
 
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """The event socket, the timeouts and the engine command of ``discovery launch``."""
+    parser.add_argument(
+        "--event-host",
+        default="127.0.0.1",
+        help="address to bind the engine-event socket on (routable when rank zero is remote)",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        help="stop the engine when no valid ready message came within this many seconds",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=20.0,
+        help="seconds between the forwarded stop signal and SIGKILL (default 20)",
+    )
+    parser.add_argument(
+        "engine_command",
+        nargs=argparse.REMAINDER,
+        metavar="COMMAND",
+        help="the engine command, after --",
+    )
+
+
 def parse_labels(pairs: Sequence[str], flag: str = "--label") -> dict[str, str]:
     """``key=value`` pairs as a dict."""
     labels = {}
@@ -230,16 +256,3 @@ def _endpoint_from_file(path: str) -> tuple[InferenceEngineEndpoint, dict[str, A
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--endpoint-file: {exc}") from None
     return endpoint, {k: value[k] for k in ("engine_id", "labels") if k in value}
-
-
-def endpoint_argv(endpoint: InferenceEngineEndpoint) -> list[str]:
-    """The flags ``endpoint_from_args`` reads back as ``endpoint``."""
-    caps = endpoint.capabilities
-    argv = ["--coordinator-address", endpoint.coordinator_address]
-    for name in (*_CAPABILITY_FLAGS, "logical_data_parallel_size"):
-        argv += [f"--{name.replace('_', '-')}", str(getattr(caps, name))]
-    if caps.enable_prefix_caching:
-        argv.append("--enable-prefix-caching")
-    if caps.prefix_caching_coordinator_policy is not None:
-        argv += ["--prefix-caching-coordinator-policy", caps.prefix_caching_coordinator_policy]
-    return argv

@@ -14,6 +14,7 @@ from .._registration import RegistrationState, deregister, register_engine
 from .._store import EndpointEvent
 from .._watcher import EndpointWatcher, ListedEngine, list_engines
 from ._args import (
+    UsageError,
     endpoint_from_args,
     metrics_from_args,
     parse_labels,
@@ -87,6 +88,30 @@ def cmd_register(args: argparse.Namespace) -> int:
 def _log_state(engine_id: str, state: RegistrationState) -> None:
     if state is RegistrationState.REGISTERED:
         log.info("%s registered again after losing its lease", engine_id)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Start an engine command and register it from its ready message (``_launch.py``)."""
+    from .._events import require_event_libraries  # noqa: PLC0415 - needs the launch extra
+    from .._launch import launch  # noqa: PLC0415
+
+    try:
+        require_event_libraries()
+    except ImportError as exc:
+        raise UsageError(str(exc)) from None
+    command = args.engine_command
+    return launch(
+        command[1:] if command[:1] == ["--"] else command,
+        event_host=args.event_host,
+        ready_timeout=args.ready_timeout,
+        stop_timeout=args.stop_timeout,
+        engine_id=args.engine_id,
+        ttl=args.ttl,
+        labels=parse_labels(args.label),
+        settings=settings_from_args(args),
+        replace=args.replace,
+        metrics=metrics_from_args(args),
+    )
 
 
 def cmd_deregister(args: argparse.Namespace) -> int:

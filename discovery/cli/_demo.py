@@ -1,9 +1,11 @@
 """``discovery demo``: engines come and go, the routing table follows.
 
-Starts an embedded etcd unless one is configured, registers a few simulated engines as
-separate ``discovery register`` processes, shows the live table, kills one engine hard
-(SIGKILL: removed when its lease expires) and stops one gracefully (SIGTERM: its lease is
-revoked at once), prints each removal's measured delay, and leaves nothing running.
+Starts an embedded etcd unless one is configured, starts a few stand-in engines each under
+its own ``discovery launch`` (the engine announces itself with Megatron's ready message and
+the launcher registers it), shows the live table, kills one launcher hard (SIGKILL: removed
+when its lease expires), stops one gracefully (SIGTERM: its lease is revoked at once) and
+kills one engine process (its launcher revokes at once), prints each removal's measured
+delay, and leaves nothing running.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -19,16 +22,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
-from .._endpoint import (
-    InferenceEngineCapabilities,
-    InferenceEngineEndpoint,
-    PrefixCachingCoordinatorPolicy,
-)
+from .._endpoint import PrefixCachingCoordinatorPolicy
+from .._events import require_event_libraries
 from .._routing import watch_table
 from .._settings import ENV_PREFIX, Settings
+from .._stand_in_engine import default_endpoint
 from .._store import Batch, EventType, RoutingSnapshot
-from ._args import endpoint_argv, metrics_from_args, settings_argv, settings_from_args
+from ._args import UsageError, metrics_from_args, settings_argv, settings_from_args
 from ._commands import format_event
 
 _POLICIES = tuple(PrefixCachingCoordinatorPolicy)
@@ -55,29 +57,34 @@ def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
 
 
 def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
-    endpoint = InferenceEngineEndpoint(
+    ready = default_endpoint(
         f"tcp://10.0.0.{index + 1}:5555",
-        InferenceEngineCapabilities(
-            context_length=8192,
-            kv_cache_block_size=256,
-            total_kv_blocks=4096 * (index + 1),
-            max_num_seqs=64 * (index + 1),
-            max_num_batched_tokens=8192,
-            bos_token_id=1,
-            enable_prefix_caching=True,
-            prefix_caching_coordinator_policy=_POLICIES[index % len(_POLICIES)],
-        ),
+        total_kv_blocks=4096 * (index + 1),
+        max_num_seqs=64 * (index + 1),
+        prefix_caching_coordinator_policy=_POLICIES[index % len(_POLICIES)],
     )
     return [
-        sys.executable, "-m", "discovery", "register",
+        sys.executable, "-m", "discovery", "launch",
         "--engine-id", f"demo-engine-{index}",
-        *endpoint_argv(endpoint),
         "--label", "model=llama-3-8b",
         "--label", f"role={'prefill' if index % 2 == 0 else 'decode'}",
         "--ttl", str(ttl),
         *settings_argv(settings),
         "--log-level", "WARNING",
+        "--", sys.executable, "-m", "discovery._stand_in_engine",
+        "--dynamo-parent-event-address", "{event_address}",
+        "--ready", json.dumps(ready),
     ]  # fmt: skip
+
+
+def _engine_pid(launcher: subprocess.Popen[bytes]) -> int | None:
+    """The pid of the engine a launcher started (Linux /proc), or None."""
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+        for pid in children.split():
+            if b"_stand_in_engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    return None
 
 
 def _describe_table(snapshot: RoutingSnapshot) -> str:
@@ -87,6 +94,10 @@ def _describe_table(snapshot: RoutingSnapshot) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
+    try:
+        require_event_libraries()  # the engines run under discovery launch
+    except ImportError as exc:
+        raise UsageError(str(exc)) from None
     started = time.monotonic()
     engines: list[subprocess.Popen[bytes]] = []
     removed: dict[str, float] = {}
@@ -113,11 +124,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 engines.append(subprocess.Popen(_engine_command(index, settings, args.ttl)))
             table.wait_until(lambda snap: len(snap) >= args.engines, timeout=_START_TIMEOUT)
             _print_inspection(settings, started)
-            for index, sig in enumerate((signal.SIGKILL, signal.SIGTERM)[: len(engines)]):
+            steps = [
+                (
+                    signal.SIGKILL,
+                    False,
+                    "its launcher, hard (no deregistration: the lease expires)",
+                ),
+                (signal.SIGTERM, False, "its launcher, gracefully (it revokes the lease)"),
+                (signal.SIGKILL, True, "its engine process (the launcher revokes at once)"),
+            ]
+            for index, (sig, to_engine, how) in enumerate(steps[: len(engines)]):
+                launcher = engines[index]
+                pid = _engine_pid(launcher) if to_engine else launcher.pid
+                if pid is None:
+                    _say(started, f"cannot find demo-engine-{index}'s engine process: skipped")
+                    continue
                 _measure_removal(
-                    engines[index],
+                    launcher,
+                    pid,
                     engine_id=f"demo-engine-{index}",
                     sig=sig,
+                    how=how,
                     removed=removed,
                     cond=removed_cond,
                     started=started,
@@ -152,26 +179,23 @@ def _print_inspection(settings: Settings, started: float) -> None:
 
 
 def _measure_removal(
-    process: subprocess.Popen[bytes],
+    launcher: subprocess.Popen[bytes],
+    pid: int,
     *,
     engine_id: str,
     sig: signal.Signals,
+    how: str,
     removed: dict[str, float],
     cond: threading.Condition,
     started: float,
     ttl: float,
 ) -> None:
-    how = (
-        "hard (no deregistration: the lease must expire)"
-        if sig == signal.SIGKILL
-        else ("gracefully (the engine revokes its lease)")
-    )
     _say(started, f"sending {sig.name} to {engine_id}: {how}")
     sent = time.monotonic()
-    process.send_signal(sig)
+    os.kill(pid, sig)
     with cond:
         if not cond.wait_for(lambda: engine_id in removed, timeout=ttl + 10):
             raise TimeoutError(f"{engine_id} was not removed within {ttl + 10} s")
     delay = removed[engine_id] - sent
     _say(started, f"{engine_id} removed {delay:.3f} s after {sig.name} (lease TTL {ttl:g} s)")
-    process.wait(10)
+    launcher.wait(10)

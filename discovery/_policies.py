@@ -1,0 +1,488 @@
+"""Routing policies: one class per policy behind the small ``Policy`` protocol.
+
+A ``Router`` filters the engines (labels, fit, fencing) and hands the survivors to its
+policy as ``Candidate`` objects, with the request as a ``PickRequest``. The policy's
+``choose(candidates, request)`` returns one of the candidates, or a ``Choice`` that also
+says which policy chose it (a fallback) and how many prompt tokens matched. The router
+calls ``choose`` under its own lock and always with the same tuple object for the same
+candidate set, so a policy belonging to one router needs no locking and may cache what
+it derives from a candidate tuple by identity. ``choose`` must not block or do I/O.
+
+**Built-in policies** (``RoutingPolicy`` names them; ``auto`` maps what the engines
+advertise onto them):
+
+* ``RoundRobinPolicy`` (``round_robin``): the candidates in turn.
+* ``LoadBalancedPolicy`` (``load_balanced``): the lowest ``(in_flight + 1) / capacity``,
+  where ``in_flight`` counts the router's unreleased handles and ``capacity =
+  max_num_seqs * logical_data_parallel_size`` (``max_num_seqs`` is per data-parallel
+  rank). An engine with twice the slots takes twice the load; exact ties rotate.
+* ``FirstPrefixBlockPolicy`` (``first_prefix_block``): the first ``kv_cache_block_size``
+  prompt tokens are hashed and the candidates ranked by rendezvous (highest-random-weight)
+  hashing, unweighted: each engine is first for an equal share of first blocks, and
+  removing an engine remaps only its share. The request goes to the first engine in that
+  order that is under its load bound (below). Candidates with different block sizes are
+  hashed on the smallest (logged once). A prompt shorter than one block has nothing
+  cacheable and is load-balanced.
+* ``LongestPrefixPolicy`` (``longest_prefix``): the router remembers the chained block
+  hashes it recently sent to each engine (an approximate index, below) and sends the
+  prompt to the candidate holding the longest run of its leading blocks (ties: least
+  loaded), if that engine is under its load bound and its utilisation ``in_flight /
+  capacity`` is at most ``load_gap`` above the least-loaded candidate's. Otherwise, or
+  when nothing matches, the request is load-balanced; either way its blocks are recorded
+  for the engine that got it.
+
+**Load bound** (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam
+2018). With ``T`` requests in flight on the candidates, ``C`` their total capacity and
+``c`` the ``load_factor``, engine ``e`` may take the new request only if ``in_flight(e) +
+1 <= ceil(c * (T + 1) * capacity(e) / C)``: the mean counts the new request, as in the
+paper, and is weighted by capacity (equal capacities give the paper's ``ceil(c * (T + 1)
+/ n)``). Since these bounds add up to more than ``T``, some candidate is always under its
+bound. ``load_factor=None`` removes the bound (pure affinity). Loads are this router's
+handles: independent routers agree on an engine's first choice whenever the first engine
+is under each router's bound, and each router bounds only its own traffic.
+
+**Hashing** is deterministic across processes and machines: prompt tokens are packed as
+little-endian int64 and hashed with BLAKE2b (64-bit digests; block ``i``'s hash covers
+tokens ``[0, (i + 1) * block_size)``, so it identifies the whole prefix). An engine's
+rendezvous score for a key is ``((key ^ seed) * 0x9E3779B97F4A7C15) mod 2**64`` with
+``seed`` the BLAKE2b digest of its engine id; the highest score ranks first.
+
+**Memory bound of the longest-prefix index.** Per engine, an LRU of at most
+``min(prefix_index_blocks, total_kv_blocks)`` block hashes (``prefix_index_blocks``
+defaults to 4096; an engine advertising ``total_kv_blocks=0`` gets
+``prefix_index_blocks``), plus a reverse map from hash to the engines holding it. Each
+remembered (engine, block) pair costs about 200 bytes, so the index stays under
+``engines * prefix_index_blocks * 200`` bytes (about 0.8 MB per engine by default). An
+engine's entries are dropped when it leaves the router's view or changes its block size
+(``Policy.forget``).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import hashlib
+import logging
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
+from typing import NamedTuple
+
+from ._codec import EngineRecord
+
+__all__ = [
+    "Candidate",
+    "Choice",
+    "FirstPrefixBlockPolicy",
+    "LoadBalancedPolicy",
+    "LongestPrefixPolicy",
+    "PickRequest",
+    "Policy",
+    "RoundRobinPolicy",
+    "RoutingPolicy",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_LOAD_GAP = 0.25
+DEFAULT_INDEX_BLOCKS = 4096
+
+_MASK64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15  # odd, so multiplying is a bijection mod 2**64
+_SEED_PERSON = b"discovery/rdv"  # BLAKE2b personalisation: these digests mean nothing else
+_BLOCK_PERSON = b"discovery/block"
+_SCORE = attrgetter("_score")
+_IN_FLIGHT = attrgetter("in_flight")
+
+
+class RoutingPolicy(enum.StrEnum):
+    """The built-in policies by name, plus ``auto``: what the candidates advertise."""
+
+    ROUND_ROBIN = "round_robin"
+    """The candidates in turn."""
+    LOAD_BALANCED = "load_balanced"
+    """The fewest in-flight requests per slot (``max_num_seqs``)."""
+    FIRST_PREFIX_BLOCK = "first_prefix_block"
+    """Rendezvous hashing of the prompt's first KV-cache block, under a load bound."""
+    LONGEST_PREFIX = "longest_prefix"
+    """The engine recently sent the longest run of the prompt's leading blocks."""
+    AUTO = "auto"
+    """What the candidates advertise in ``prefix_caching_coordinator_policy``."""
+
+
+# -- hashing ---------------------------------------------------------------------------
+
+
+def _digest(data: bytes, person: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=person).digest(), "little")
+
+
+def _pack(tokens: Sequence[int], count: int) -> bytes:
+    try:
+        return struct.pack(f"<{count}q", *tokens[:count])
+    except struct.error as exc:
+        raise ValueError(f"prompt token ids must be 64-bit integers: {exc}") from exc
+
+
+def _first_block_key(tokens: Sequence[int], block_size: int) -> int:
+    """The hash of the first block; equal to ``_block_hashes(...)[0]``."""
+    return _digest(_pack(tokens, block_size), _BLOCK_PERSON)
+
+
+def _block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of every complete block: hash ``i`` covers the first ``i + 1`` blocks."""
+    blocks = len(tokens) // block_size
+    if not blocks:
+        return []
+    data = memoryview(_pack(tokens, blocks * block_size))
+    step = block_size * 8
+    hasher = hashlib.blake2b(digest_size=8, person=_BLOCK_PERSON)
+    hashes = []
+    for start in range(0, blocks * step, step):
+        hasher.update(data[start : start + step])
+        # digest() does not finalise the state: later updates extend the same prefix.
+        hashes.append(int.from_bytes(hasher.digest(), "little"))
+    return hashes
+
+
+# -- what a policy sees ----------------------------------------------------------------
+
+
+class Candidate:
+    """An engine a policy may choose, with its current load; kept up to date by the Router.
+
+    ``engine_id``, ``record`` (its EngineRecord), ``capacity`` (``max_num_seqs *
+    logical_data_parallel_size``), ``block_size`` (``kv_cache_block_size``),
+    ``context_length``, ``advertised`` (the RoutingPolicy its capabilities ask for) and
+    ``in_flight`` (the router's unreleased handles on it). Policies read, never write.
+    """
+
+    __slots__ = (
+        "_score",
+        "_seed",
+        "advertised",
+        "block_size",
+        "capacity",
+        "context_length",
+        "engine_id",
+        "in_flight",
+        "record",
+    )
+
+    def __init__(self, record: EngineRecord) -> None:
+        self.engine_id = record.engine_id
+        self._seed = _digest(record.engine_id.encode(), _SEED_PERSON)
+        self.in_flight = 0
+        self._update(record)
+
+    def _update(self, record: EngineRecord) -> None:
+        caps = record.endpoint.capabilities
+        self.record = record
+        self.block_size = caps.kv_cache_block_size
+        self.context_length = caps.context_length
+        self.capacity = caps.max_num_seqs * caps.logical_data_parallel_size
+        policy = caps.prefix_caching_coordinator_policy
+        self.advertised = (
+            RoutingPolicy(policy.value)
+            if caps.enable_prefix_caching and policy is not None
+            else RoutingPolicy.LOAD_BALANCED
+        )
+        self._score = (self.in_flight + 1) / self.capacity
+
+    def _acquire(self) -> None:
+        self.in_flight += 1
+        self._score = (self.in_flight + 1) / self.capacity
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self._score = (self.in_flight + 1) / self.capacity
+
+    def __repr__(self) -> str:
+        return f"<Candidate {self.engine_id} in_flight={self.in_flight}/{self.capacity}>"
+
+
+class PickRequest(NamedTuple):
+    """One request to route, as a policy sees it."""
+
+    prompt_tokens: Sequence[int]
+    """The prompt's token ids."""
+    max_tokens: int
+    """The most tokens the request may generate."""
+    selector: Mapping[str, str]
+    """Labels this call asked for (the router's own selector is already applied)."""
+
+
+class Choice(NamedTuple):
+    """A policy's answer when it has more to say than the candidate."""
+
+    candidate: Candidate
+    """The engine to use: one of the candidates the policy was given."""
+    policy: str | None = None
+    """The policy to credit (``PickHandle.policy``, metrics); None: the policy's name."""
+    matched_tokens: int = 0
+    """Prompt tokens the engine is thought to hold in its prefix cache."""
+
+
+class Policy(abc.ABC):
+    """How a Router chooses among the candidates that pass its filters.
+
+    Subclass it, implement ``choose``, and pass an instance as ``Router(policy=...)``;
+    give each router its own instance. ``name`` labels the picks it makes.
+    """
+
+    name: str = "custom"
+    """The label of this policy's picks (``PickHandle.policy``, the metrics)."""
+
+    @abc.abstractmethod
+    def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate | Choice:
+        """Return one of ``candidates`` (never empty), or a Choice naming one, for ``request``."""
+
+    def forget(self, engine_id: str) -> None:  # noqa: B027 - a hook: most policies keep nothing
+        """Drop what you keep about ``engine_id``: it left, or its KV block size changed."""
+
+
+def _check_load_factor(load_factor: float | None) -> float | None:
+    if load_factor is not None and not load_factor >= 1:  # also rejects NaN
+        raise ValueError(f"load_factor must be >= 1 (or None for no bound), got {load_factor!r}")
+    return None if load_factor is None else float(load_factor)
+
+
+def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: int) -> float:
+    """``c * (T + 1) / C``: engine ``e`` is under its bound iff ``in_flight < scale * cap``.
+
+    For an integer ``k``, ``k + 1 <= ceil(x)`` holds exactly when ``k < x``.
+    """
+    in_flight: int = sum(map(_IN_FLIGHT, candidates))
+    return load_factor * (in_flight + 1) / capacity
+
+
+# -- the built-in policies -------------------------------------------------------------
+
+
+class RoundRobinPolicy(Policy):
+    """The candidates in turn."""
+
+    name = RoutingPolicy.ROUND_ROBIN
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate:
+        """The next candidate in turn."""
+        chosen = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return chosen
+
+
+class LoadBalancedPolicy(Policy):
+    """The fewest in-flight requests per slot; exact ties rotate."""
+
+    name = RoutingPolicy.LOAD_BALANCED
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate:
+        """The least-loaded candidate."""
+        return self.least_loaded(candidates)
+
+    def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
+        """The lowest ``(in_flight + 1) / capacity``; exact ties rotate."""
+        if len(candidates) == 1:
+            return candidates[0]
+        # min() keeps the first of equals, so rotating the start spreads exact ties.
+        start = self._turn % len(candidates)
+        self._turn += 1
+        return min((*candidates[start:], *candidates[:start]), key=_SCORE)
+
+
+class FirstPrefixBlockPolicy(Policy):
+    """Rendezvous hashing of the first KV-cache block, walked to an engine under the bound.
+
+    ``load_factor`` is ``c`` of the load bound (module docs); None: pure affinity.
+    """
+
+    name = RoutingPolicy.FIRST_PREFIX_BLOCK
+
+    def __init__(self, *, load_factor: float | None = DEFAULT_LOAD_FACTOR) -> None:
+        self.load_factor = _check_load_factor(load_factor)
+        self._balance = LoadBalancedPolicy()
+        self._pool: Sequence[Candidate] = ()
+        self._block_size = 0
+        self._seeds: list[int] = []
+        self._capacity = 0
+        self._warned: set[tuple[int, ...]] = set()
+
+    def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate | Choice:
+        """The first candidate in the first block's rendezvous order that is under its bound."""
+        if candidates is not self._pool:
+            self._prepare(candidates)
+        tokens = request.prompt_tokens
+        if len(tokens) < self._block_size:
+            return Choice(self._balance.least_loaded(candidates), RoutingPolicy.LOAD_BALANCED)
+        key = _first_block_key(tokens, self._block_size)
+        scores = [((key ^ seed) * _MIX) & _MASK64 for seed in self._seeds]
+        chosen = candidates[scores.index(max(scores))]
+        if self.load_factor is None or len(candidates) == 1:
+            return chosen
+        scale = _bound_scale(candidates, self.load_factor, self._capacity)
+        if chosen.in_flight < scale * chosen.capacity:
+            return chosen
+        # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
+        # only here). Some candidate is under its bound, so the walk ends in the order.
+        order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+        return next(
+            (c for c in map(candidates.__getitem__, order) if c.in_flight < scale * c.capacity),
+            chosen,
+        )
+
+    def _prepare(self, candidates: Sequence[Candidate]) -> None:
+        sizes = sorted({c.block_size for c in candidates})
+        if len(sizes) > 1 and tuple(sizes) not in self._warned:
+            self._warned.add(tuple(sizes))
+            log.warning(
+                "first_prefix_block: candidates use block sizes %s; hashing the first %d "
+                "tokens (the smallest) for all of them",
+                sizes,
+                sizes[0],
+            )
+        self._pool = candidates
+        self._block_size = sizes[0]
+        self._seeds = [c._seed for c in candidates]
+        self._capacity = sum(c.capacity for c in candidates)
+
+
+class _PrefixIndex:
+    """Block hashes recently routed to each engine: a per-engine LRU plus a reverse map.
+
+    The per-engine LRU is the memory bound; the reverse map (hash -> owning engine ids, a
+    tuple because almost every hash has one owner) only holds what some LRU holds.
+    """
+
+    def __init__(self) -> None:
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._owners: dict[int, tuple[str, ...]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(lru) for lru in self._lru.values())
+
+    def longest(self, hashes: Iterable[int], candidates: frozenset[str]) -> tuple[int, set[str]]:
+        """How many leading blocks the best candidates hold, and which candidates they are."""
+        owners_of = self._owners
+        matched = 0
+        holders: set[str] = set()
+        for block_hash in hashes:
+            owners = owners_of.get(block_hash)
+            if owners is None:
+                break
+            alive = candidates if not matched else holders
+            still = {owner for owner in owners if owner in alive}
+            if not still:
+                break
+            holders = still
+            matched += 1
+        return matched, holders
+
+    def record(self, engine_id: str, limit: int, hashes: Iterable[int]) -> None:
+        """Remember ``hashes`` as the newest blocks of ``engine_id``, evicting its oldest."""
+        lru = self._lru.get(engine_id)
+        if lru is None:
+            lru = self._lru[engine_id] = OrderedDict()
+        owners_of = self._owners
+        for block_hash in hashes:
+            if block_hash in lru:
+                lru.move_to_end(block_hash)
+                continue
+            lru[block_hash] = None
+            owners_of[block_hash] = (*owners_of.get(block_hash, ()), engine_id)
+        while len(lru) > limit:
+            self._disown(lru.popitem(last=False)[0], engine_id)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop every block of ``engine_id``."""
+        for block_hash in self._lru.pop(engine_id, ()):
+            self._disown(block_hash, engine_id)
+
+    def _disown(self, block_hash: int, engine_id: str) -> None:
+        owners = tuple(owner for owner in self._owners[block_hash] if owner != engine_id)
+        if owners:
+            self._owners[block_hash] = owners
+        else:
+            del self._owners[block_hash]
+
+
+class LongestPrefixPolicy(Policy):
+    """The engine recently sent the longest run of the prompt's leading blocks.
+
+    It must be under its load bound (``load_factor``, None: no bound) and within
+    ``load_gap`` utilisation of the least-loaded candidate, else the request is
+    load-balanced. ``prefix_index_blocks`` bounds the remembered blocks per engine.
+    """
+
+    name = RoutingPolicy.LONGEST_PREFIX
+
+    def __init__(
+        self,
+        *,
+        load_factor: float | None = DEFAULT_LOAD_FACTOR,
+        load_gap: float = DEFAULT_LOAD_GAP,
+        prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS,
+    ) -> None:
+        if not load_gap >= 0:  # also rejects NaN
+            raise ValueError(f"load_gap must be >= 0, got {load_gap!r}")
+        if isinstance(prefix_index_blocks, bool) or not isinstance(prefix_index_blocks, int):
+            raise TypeError("prefix_index_blocks must be an integer")
+        if prefix_index_blocks <= 0:
+            raise ValueError(f"prefix_index_blocks must be positive, got {prefix_index_blocks}")
+        self.load_factor = _check_load_factor(load_factor)
+        self.load_gap = float(load_gap)
+        self.prefix_index_blocks = prefix_index_blocks
+        self._index = _PrefixIndex()
+        self._balance = LoadBalancedPolicy()
+        self._pool: Sequence[Candidate] = ()
+        self._by_block: dict[int, frozenset[str]] = {}
+        self._by_id: dict[str, Candidate] = {}
+        self._capacity = 0
+
+    def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
+        """The best-matching candidate if under its bound and the gap, else the least loaded."""
+        if candidates is not self._pool:
+            self._prepare(candidates)
+        chains: dict[int, list[int]] = {}
+        best_tokens = 0
+        holders: set[str] = set()
+        for size, ids in self._by_block.items():
+            chain = chains[size] = _block_hashes(request.prompt_tokens, size)
+            blocks, owners = self._index.longest(chain, ids)
+            if blocks * size > best_tokens:
+                best_tokens, holders = blocks * size, owners
+        least = self._balance.least_loaded(candidates)
+        chosen, policy = least, RoutingPolicy.LOAD_BALANCED
+        if holders:
+            best = min(map(self._by_id.__getitem__, holders), key=lambda c: (c._score, c.engine_id))
+            gap = best.in_flight / best.capacity - least.in_flight / least.capacity
+            bounded = self.load_factor is None or best.in_flight < best.capacity * _bound_scale(
+                candidates, self.load_factor, self._capacity
+            )
+            if gap <= self.load_gap and bounded:
+                chosen, policy = best, RoutingPolicy.LONGEST_PREFIX
+        # total_kv_blocks=0 means not advertised: then the option alone bounds the index.
+        limit = chosen.record.endpoint.capabilities.total_kv_blocks or self.prefix_index_blocks
+        limit = min(limit, self.prefix_index_blocks)
+        self._index.record(chosen.engine_id, limit, chains[chosen.block_size])
+        return Choice(chosen, policy, best_tokens if policy is RoutingPolicy.LONGEST_PREFIX else 0)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop the remembered blocks of ``engine_id``."""
+        self._index.forget(engine_id)
+
+    def _prepare(self, candidates: Sequence[Candidate]) -> None:
+        by_block: dict[int, set[str]] = {}
+        for c in candidates:
+            by_block.setdefault(c.block_size, set()).add(c.engine_id)
+        self._pool = candidates
+        self._by_block = {size: frozenset(ids) for size, ids in by_block.items()}
+        self._by_id = {c.engine_id: c for c in candidates}
+        self._capacity = sum(c.capacity for c in candidates)

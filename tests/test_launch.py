@@ -1,0 +1,285 @@
+"""``discovery launch`` against real etcd: the record lives exactly as long as the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from discovery import Settings
+from discovery._launch import check_command
+from discovery._stand_in_engine import default_endpoint
+from discovery.cli import build_parser
+
+from .helpers import WatchLog, cli_env, get_kv, run_cli, run_python, wait_for
+
+STAND_IN = [
+    sys.executable,
+    "-m",
+    "discovery._stand_in_engine",
+    "--dynamo-parent-event-address",
+    "{event_address}",
+]
+# A child that never sends anything and ignores SIGTERM and SIGINT.
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "print('stubborn engine up', sys.argv[1], flush=True); time.sleep(600)",
+    "{event_address}",
+]
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only a zombie waiting for its new parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+class Launcher:
+    """A ``discovery launch`` process; everything it started is killed by pid at the end."""
+
+    def __init__(self, settings: Settings, engine_id: str, command: list[str], *flags: str) -> None:
+        self.engine_id = engine_id
+        self.key = settings.keyspace.key(engine_id)
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        launch = [sys.executable, "-m", "discovery", "launch", "--engine-id", engine_id, *flags]
+        self.process = subprocess.Popen(
+            [*launch, "--", *command],
+            env=cli_env(settings),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def child_pid(self) -> int:
+        found = wait_for(
+            lambda: re.search(r"engine started: pid (\d+)", self.output()),
+            message="the launcher's 'engine started' line",
+        )
+        return int(found.group(1))
+
+    def guard_pid(self) -> int:
+        """The guard process: the launcher's child that runs _guard.py."""
+        launcher = self.process.pid
+
+        def find() -> int | None:
+            for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+                if "_guard.py" in Path(f"/proc/{child}/cmdline").read_text():
+                    return int(child)
+            return None
+
+        return wait_for(find, message="the guard process")
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        pids = [int(p) for p in re.findall(r"engine started: pid (\d+)", self.output())]
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        for pid in pids:  # the engine's group, in case the test failed before it ended
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        self._log.close()
+
+
+@pytest.fixture
+def launched(settings: Settings):
+    started: list[Launcher] = []
+    watch = WatchLog(settings)
+
+    def start(engine_id: str, command: list[str], *flags: str) -> Launcher:
+        started.append(Launcher(settings, engine_id, command, *flags))
+        return started[-1]
+
+    start.watch = watch
+    yield start
+    for launcher in started:
+        launcher.stop()
+    watch.stop()
+
+
+def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all(
+    settings: Settings, launched
+) -> None:
+    launcher = launched("standin-0", STAND_IN, "--label", "model=m", "--ttl", "5")
+    launched.watch.wait("standin-0", "added", timeout=60)
+    child, guard = launcher.child_pid(), launcher.guard_pid()
+    value = json.loads(get_kv(settings.endpoints, launcher.key)["value"])
+    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at")}
+    assert value == json.loads(json.dumps(default_endpoint()))  # exactly what it sent
+    assert metadata["engine_id"] == "standin-0" and metadata["labels"] == {"model": "m"}
+    assert os.getpgid(child) == child != os.getpgid(launcher.process.pid)  # its own group
+
+    launcher.process.send_signal(signal.SIGTERM)
+    assert launcher.wait() == 0, launcher.output()
+    assert get_kv(settings.endpoints, launcher.key) is None
+    assert _gone(child) and _gone(guard)
+    out = launcher.output()
+    assert "stand-in engine: SIGTERM, exiting 0" in out  # forwarded to the engine
+    assert "engine events: 5 frames, 1 ready, 4 ignored, 0 malformed, 0 rejected" in out
+    assert launched.watch.kinds("standin-0") == ["added", "removed"]
+
+
+@pytest.mark.parametrize(
+    ("how", "extra", "status"),
+    [
+        (signal.SIGTERM, ["--exit-status", "0"], 0),
+        (signal.SIGTERM, ["--exit-status", "3"], 3),
+        (signal.SIGKILL, [], 128 + signal.SIGKILL),  # the shell's convention
+    ],
+    ids=["exits-0", "exits-3", "sigkilled"],
+)
+def test_when_the_engine_ends_the_record_is_gone_within_a_second(
+    launched, how: signal.Signals, extra: list[str], status: int
+) -> None:
+    launcher = launched("ending", [*STAND_IN, *extra], "--ttl", "30")
+    launched.watch.wait("ending", "added", timeout=60)
+    child = launcher.child_pid()
+    sent = time.monotonic()
+    os.kill(child, how)  # the engine ends by itself, as far as the launcher can tell
+    removed_at, _ = launched.watch.wait("ending", "removed", timeout=10)
+    assert removed_at - sent < 1.0, removed_at - sent  # revoked, not expired (TTL 30 s)
+    assert launcher.wait() == status, launcher.output()
+    assert _gone(child)
+
+
+def test_what_the_engine_left_in_its_group_is_killed_when_it_exits(launched, tmp_path) -> None:
+    pidfile = tmp_path / "sleeper.pid"
+    shell = f'sleep 300 & echo $! > {pidfile}; exec "$@"'
+    launcher = launched("leaver", ["sh", "-c", shell, "sh", *STAND_IN])
+    launched.watch.wait("leaver", "added", timeout=60)
+    sleeper = int(pidfile.read_text())
+    assert not _gone(sleeper)
+    os.kill(launcher.child_pid(), signal.SIGTERM)
+    assert launcher.wait() == 0, launcher.output()
+    wait_for(lambda: _gone(sleeper), message="the sleeper left in the group killed")
+
+
+@pytest.mark.parametrize("engine", ["stand-in", "stubborn"])
+def test_a_sigkilled_launcher_leaves_no_engine_and_the_lease_expires(launched, engine) -> None:
+    # The guard stops the engine's group: SIGTERM, then SIGKILL after --stop-timeout.
+    command = STAND_IN if engine == "stand-in" else STUBBORN
+    launcher = launched(f"orphan-{engine}", command, "--ttl", "2", "--stop-timeout", "2")
+    if engine == "stand-in":
+        launched.watch.wait(launcher.engine_id, "added", timeout=60)
+    else:
+        wait_for(lambda: "stubborn engine up" in launcher.output(), message="engine up")
+    child, guard = launcher.child_pid(), launcher.guard_pid()
+    launcher.process.kill()
+    killed = time.monotonic()
+    launcher.wait()
+    wait_for(lambda: _gone(child), timeout=2 + 5, message="engine stopped by the guard")
+    wait_for(lambda: _gone(guard), message="guard exited")
+    if engine == "stand-in":
+        removed_at, _ = launched.watch.wait(launcher.engine_id, "removed", timeout=10)
+        assert removed_at - killed <= 2 + 2, removed_at - killed
+        assert "stand-in engine: SIGTERM" in launcher.output()  # the guard's first signal
+
+
+def test_stop_timeout_escalates_to_sigkill(launched) -> None:
+    launcher = launched("stubborn", STUBBORN, "--stop-timeout", "1")
+    wait_for(lambda: "stubborn engine up" in launcher.output(), message="engine up")
+    child = launcher.child_pid()
+    launcher.process.send_signal(signal.SIGINT)
+    assert launcher.wait() == 128 + signal.SIGKILL, launcher.output()
+    assert _gone(child)
+    assert "engine still running: SIGKILL to its process group" in launcher.output()
+
+
+@pytest.mark.parametrize("engine", ["silent", "capabilities-shape"])
+def test_no_valid_ready_within_the_ready_timeout_stops_the_engine(
+    settings: Settings, launched, engine: str
+) -> None:
+    if engine == "silent":
+        command = [sys.executable, "-c", "import time, sys; time.sleep(600)", "{event_address}"]
+    else:
+        capabilities = {**default_endpoint()["capabilities"], "role": "prefill"}
+        command = [*STAND_IN, "--ready", json.dumps(capabilities)]
+    launcher = launched("unready", command, "--ready-timeout", "3")
+    child = launcher.child_pid()
+    assert launcher.wait() == 1, launcher.output()
+    out = launcher.output()
+    assert "no valid ready message within the ready timeout (3 s); stopping the engine" in out
+    if engine == "capabilities-shape":
+        assert "Megatron's engine metadata (capabilities with a role" in out
+        assert "1 rejected" in out
+    assert _gone(child)
+    assert get_kv(settings.endpoints, launcher.key) is None
+    assert launched.watch.kinds("unready") == []
+
+
+def test_a_second_launcher_with_the_same_engine_id_is_refused(settings, launched) -> None:
+    first = launched("twin", STAND_IN)
+    launched.watch.wait("twin", "added", timeout=60)
+    lease = get_kv(settings.endpoints, first.key)["lease"]
+    second = launched("twin", STAND_IN)
+    child = second.child_pid()
+    assert second.wait() == 1, second.output()
+    assert f"engine id 'twin' is already registered at '{first.key}' by lease {lease:016x}" in (
+        second.output()
+    )
+    assert _gone(child)
+    assert get_kv(settings.endpoints, first.key)["lease"] == lease
+    assert first.process.poll() is None
+
+
+@pytest.mark.parametrize("hidden", ["zmq", "msgpack"])
+def test_without_the_launch_extra_launch_says_what_to_install(settings, hidden: str) -> None:
+    code = (
+        f"import sys; sys.modules[{hidden!r}] = None\n"
+        "from discovery.cli import main\n"
+        "sys.exit(main(['launch', '--', 'engine', '{event_address}']))\n"
+    )
+    returncode, _, err = run_python(code, cli_env(settings))
+    assert returncode == 2, err
+    assert f"({hidden} is missing): pip install 'discovery[launch]'" in err
+    assert "Traceback" not in err
+
+
+def test_bad_commands(settings: Settings) -> None:
+    cases = [
+        ([], 2, "give the engine command after --"),
+        (["--", "engine", "--port", "1"], 2, "the engine command has no {event_address}"),
+        (["--ready-timeout", "0", "--", "e", "{event_address}"], 2, "ready timeout must be"),
+        (["--", "/nonexistent/engine", "{event_address}"], 127, "cannot start /nonexistent"),
+    ]
+    for args, status, message in cases:
+        result = run_cli(settings, "launch", *args)
+        assert result.returncode == status, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_the_readme_megatron_example_is_a_valid_command_line() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```bash\npip install 'discovery\[launch\]'.*?\n(discovery launch .*?)```",
+                      readme, re.S).group(1)  # fmt: skip
+    block = block.replace("\\\n", " ")  # line continuations, as the shell reads them
+    argv = shlex.split(block.replace("<Megatron arguments>", "--tensor-model-parallel-size 8"))
+    args = build_parser().parse_args(argv[1:])
+    assert args.func.__name__ == "cmd_launch"
+    assert (args.engine_id, args.label) == ("llama-0", ["model=llama-3-8b"])
+    command = args.engine_command[1:]
+    check_command(command)
+    assert command[:2] == ["torchrun", "--nproc-per-node"]
+    assert "--dynamo-parent-event-address" in command
