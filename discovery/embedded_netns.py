@@ -16,10 +16,11 @@ pfifo limit 0`` on both ends; netem is not needed), so the member is partitioned
 others while clients still reach it; ``heal(member)`` removes the two qdiscs.
 
 Every namespace, link and bridge name starts with ``{p}`` = ``dsc{pid:x}x{n:x}``: unique
-per process and cluster, and naming its owner. Nothing is left behind:
+per process and cluster, and naming its owner; so does the members' data directory
+(``$TMPDIR/{p}store``). Nothing is left behind:
 
 * ``stop()`` kills the members by pid, then deletes the namespaces (which destroys their
-  links and the bridge) and any root-namespace link of the prefix;
+  links and the bridge), any root-namespace link of the prefix and the data directory;
 * a reaper process (its own session, so Ctrl-C and group kills miss it) does the same
   when its owner dies without ``stop()`` (SIGKILL): it waits for EOF on a pipe the owner
   holds;
@@ -42,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -85,9 +87,18 @@ def _root_links() -> list[str]:
     ]
 
 
+def _data_dirs() -> list[str]:
+    return [name for name in os.listdir(tempfile.gettempdir()) if name.startswith(NAME_PREFIX)]
+
+
+def _data_dir(prefix: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"{prefix}store")
+
+
 def leftovers(prefix: str = NAME_PREFIX) -> list[str]:
-    """Namespaces and root-namespace links whose names start with ``prefix``."""
-    return [name for name in _namespaces() + _root_links() if name.startswith(prefix)]
+    """Namespaces, root-namespace links and data directories named ``prefix``..."""
+    names = _namespaces() + _root_links() + _data_dirs()
+    return [name for name in names if name.startswith(prefix)]
 
 
 def _alive(pid: int) -> bool:
@@ -101,7 +112,7 @@ def _alive(pid: int) -> bool:
 
 
 def remove_all(prefix: str) -> None:
-    """Kill every process in the namespaces of ``prefix``, delete them and its links."""
+    """Kill every process in the namespaces of ``prefix``; delete them, its links, its data."""
     for name in _namespaces():
         if not name.startswith(prefix):
             continue
@@ -116,12 +127,13 @@ def remove_all(prefix: str) -> None:
     for link in _root_links():
         if link.startswith(prefix):
             _run("ip", "link", "delete", link, check=False)
+    shutil.rmtree(_data_dir(prefix), ignore_errors=True)
 
 
 def sweep_stale() -> list[str]:
     """Remove what earlier processes left behind (owner pid dead); the prefixes removed."""
     stale = set()
-    for name in _namespaces() + _root_links():
+    for name in _namespaces() + _root_links() + _data_dirs():
         match = _NAME.match(name)
         if match and not _alive(int(match.group(2), 16)):
             stale.add(match.group(1))
@@ -274,6 +286,9 @@ class PartitionableCluster(EtcdCluster):
     def _create_members(self) -> list[EtcdMember]:
         sweep_stale()
         self.network = net = _Network(self.size)
+        # Named by the prefix, so the reaper and the sweep find it too.
+        os.rename(self.base_dir, _data_dir(net.prefix))
+        self.base_dir = _data_dir(net.prefix)
         return [
             EtcdMember(
                 self,
