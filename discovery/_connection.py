@@ -18,6 +18,11 @@ engines. It owns:
     after an error and delivers events one by one: we do not use it. ``_WatchStream``
     is a bidirectional Watch stream of our own on the client's channel, with a
     watchdog that asks etcd for progress and cancels the stream when it stays silent;
+  * a member cut off from the rest of the cluster keeps serving an open watch from its
+    frozen state, silently: every stream is opened leader-required (gRPC metadata
+    ``hasleader: true``, like etcd's ``WithRequireLeader``), so etcd refuses it on a
+    member without a leader and ends it when its member loses the leader; that member
+    is benched and the error is a ``NoLeaderError``;
   * ``Lease.refresh()`` opens one stream per refresh: ``_KeepAliveStream`` keeps one
     stream for every lease of the connection;
   * an expired auth token: the client is rebuilt (re-authenticating) and the call retried;
@@ -63,6 +68,7 @@ from ._port import (
     PAGE_SIZE,
     Compacted,
     KeyValue,
+    NoLeaderError,
     PutResult,
     StreamSilentError,
     WatchEvent,
@@ -112,6 +118,8 @@ _MEMBER_FAILURE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 )
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+# etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
+_REQUIRE_LEADER = ("hasleader", "true")
 _PUT = 0  # mvccpb.Event.EventType
 
 
@@ -523,14 +531,23 @@ class Connection:
 
     # -- streams --------------------------------------------------------------------------
 
-    def open_watch(self, prefix: str, start_revision: int, *, heartbeat: float) -> _WatchStream:
-        """Open a watch of ``prefix`` from ``start_revision`` (inclusive)."""
+    def open_watch(
+        self, prefix: str, start_revision: int, *, heartbeat: float, progress_interval: float
+    ) -> _WatchStream:
+        """Open a leader-required watch of ``prefix`` from ``start_revision`` (inclusive)."""
         return self._attempt(
-            lambda c: _WatchStream(c, self._reset_client, prefix, start_revision, heartbeat)
+            lambda c: _WatchStream(
+                c,
+                self._reset_client,
+                prefix,
+                start_revision,
+                heartbeat=heartbeat,
+                progress_interval=progress_interval,
+            )
         )
 
     def open_keepalive(self) -> _KeepAliveStream:
-        """Open one LeaseKeepAlive stream to refresh any number of leases."""
+        """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
 
 
@@ -542,10 +559,11 @@ def _read(path: str | None) -> bytes | None:
 
 
 class _Stream:
-    """A bidirectional gRPC stream fed from a queue; cancel() ends it from any thread.
+    """A leader-required bidirectional gRPC stream fed from a queue; cancel() ends it.
 
     python3-etcd3 only benches a member after a failed unary call; a stream that fails
-    on a member benches it here, so the next stream fails over to another member.
+    on a member (or that the member refuses or ends for want of a leader) benches it
+    here, so the next stream fails over to another member.
     """
 
     def __init__(self, client: _Client, on_token_expired: Callable[[_Client], None]) -> None:
@@ -556,7 +574,7 @@ class _Stream:
         self._channel = client.channel  # picks a member that is not benched
         self._member = client.endpoint_in_use
         self._credentials = client.call_credentials
-        self._metadata = client.metadata
+        self._metadata = (*(client.metadata or ()), _REQUIRE_LEADER)
 
     def _request_iter(self) -> Iterator[Any]:
         while True:
@@ -583,6 +601,12 @@ class _Stream:
             raise self._translated(exc) from exc
 
     def _translated(self, exc: grpc.RpcError) -> DiscoveryError:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and "no leader" in (exc.details() or ""):
+            return NoLeaderError(
+                f"etcd member {self._member.netloc} has no leader (cut off from the rest of "
+                f"the cluster, or electing one): {describe(exc)}",
+                f"member {self._member.netloc} has no leader",
+            )
         return translate(exc)
 
     def send(self, request: Any) -> None:
@@ -605,8 +629,9 @@ class _WatchStream(_Stream):
 
     Iterate it for ``WatchResponse`` values (all events of one revision arrive in one
     response). A watchdog thread sends a progress request whenever the stream has been
-    quiet for ``heartbeat`` seconds and cancels it when nothing has arrived for two
-    heartbeats, so a dead stream always ends in an error instead of hanging.
+    quiet for ``progress_interval`` seconds (at most one per interval: each answer proves
+    the member still has a leader) and cancels the stream when nothing has arrived for
+    two ``heartbeat`` s, so a dead stream always ends in an error instead of hanging.
     """
 
     def __init__(
@@ -615,7 +640,9 @@ class _WatchStream(_Stream):
         on_token_expired: Callable[[_Client], None],
         prefix: str,
         start_revision: int,
+        *,
         heartbeat: float,
+        progress_interval: float,
     ) -> None:
         super().__init__(client, on_token_expired)
         key = prefix.encode()
@@ -631,7 +658,8 @@ class _WatchStream(_Stream):
         self.send(etcdrpc.WatchRequest(create_request=create))
         self._open(etcdrpc.WatchStub(self._channel).Watch)
         self._heartbeat = heartbeat
-        self._last_seen = time.monotonic()
+        self._progress_interval = progress_interval
+        self._last_seen = self._last_asked = time.monotonic()
         self._stopped = threading.Event()
         self.silent = False
         self._watchdog = threading.Thread(
@@ -640,14 +668,17 @@ class _WatchStream(_Stream):
         self._watchdog.start()
 
     def _guard(self) -> None:
-        while not self._stopped.wait(self._heartbeat / 2):
-            quiet = time.monotonic() - self._last_seen
+        every = min(self._progress_interval, self._heartbeat)  # ask before giving up
+        while not self._stopped.wait(every / 2):
+            now = time.monotonic()
+            quiet = now - self._last_seen
             if quiet >= 2 * self._heartbeat:
                 log.warning("watch stream silent for %.1f s; reconnecting", quiet)
                 self.silent = True
                 self.abandon()
                 return
-            if quiet >= self._heartbeat:
+            if quiet >= every and now - self._last_asked >= every:
+                self._last_asked = now
                 self.send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
 
     def _translated(self, exc: grpc.RpcError) -> DiscoveryError:

@@ -67,7 +67,7 @@ class MetricsHooks(Protocol):
         return None
 
     def watcher_reconnect(self, prefix: str, cause: str) -> None:
-        """A watch reconnected: ``stream_error``, ``compaction`` or ``timeout``."""
+        """A watch reconnected: ``stream_error``, ``compaction``, ``timeout``, ``no_leader``."""
         return None
 
     def watcher_relist(self, prefix: str, cause: str) -> None:
@@ -106,6 +106,10 @@ class MetricsHooks(Protocol):
         """Read ``table``'s size at scrape time."""
         return None
 
+    def observe_watcher(self, watcher: Any) -> None:
+        """Read ``watcher``'s staleness at scrape time."""
+        return None
+
 
 class NoMetrics(MetricsHooks):
     """Every hook of ``MetricsHooks``, doing nothing."""
@@ -134,6 +138,7 @@ class Metrics(MetricsHooks):
         self._stated: set[str] = set()
         self._routers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._tables: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
             return Counter(name, doc, labels, registry=registry)
@@ -267,12 +272,16 @@ class Metrics(MetricsHooks):
 
     # -- watcher -----------------------------------------------------------------------
 
+    def observe_watcher(self, watcher: Any) -> None:
+        """Export ``watcher``'s staleness (and whether it is stale) at scrape time."""
+        self._watchers.add(watcher)
+
     def watcher_connected(self, prefix: str, connected: bool) -> None:
         """Set the connected gauge."""
         self._connected.labels(prefix).set(1 if connected else 0)
 
     def watcher_reconnect(self, prefix: str, cause: str) -> None:
-        """Count a reconnect: ``stream_error``, ``compaction`` or ``timeout``."""
+        """Count a reconnect: ``stream_error``, ``compaction``, ``timeout``, ``no_leader``."""
         self._reconnects.labels(prefix, cause).inc()
 
     def watcher_relist(self, prefix: str, cause: str) -> None:
@@ -346,6 +355,7 @@ class _LiveCollector:
             for engine_id, at in metrics._keepalives.items():
                 age.add_metric([engine_id], now - at)
         yield age
+        yield from _staleness(list(metrics._watchers))
         engines = GaugeMetricFamily(
             "discovery_routing_engines", "Engines in the routing table.", labels=["selector"]
         )
@@ -376,3 +386,32 @@ class _LiveCollector:
         for engine_id, seconds in sorted(fences.items()):
             fenced.add_metric([engine_id], seconds)
         yield fenced
+
+
+def _staleness(watchers: list[Any]) -> Iterator[Any]:
+    """Per prefix, the stalest watcher: its staleness in seconds, and 1 if it is stale."""
+    from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+
+    worst: dict[str, tuple[float, bool]] = {}
+    for watcher in watchers:
+        freshness = watcher.freshness
+        if not freshness.running:
+            continue
+        age = freshness.age()
+        previous = worst.get(watcher.prefix, (0.0, False))
+        worst[watcher.prefix] = (max(age, previous[0]), previous[1] or freshness.stale)
+    staleness = GaugeMetricFamily(
+        "discovery_watcher_staleness_seconds",
+        "Seconds since an etcd member with a leader last answered the watcher.",
+        labels=["prefix"],
+    )
+    stale = GaugeMetricFamily(
+        "discovery_watcher_stale",
+        "1 while the watcher's staleness exceeds its threshold (fail-static: last table served).",
+        labels=["prefix"],
+    )
+    for prefix, (age, is_stale) in sorted(worst.items()):
+        staleness.add_metric([prefix], age)
+        stale.add_metric([prefix], 1 if is_stale else 0)
+    yield staleness
+    yield stale

@@ -27,6 +27,7 @@ __all__ = [
     "EtcdPort",
     "KeepAliveStream",
     "KeyValue",
+    "NoLeaderError",
     "PutResult",
     "StreamSilentError",
     "WatchEvent",
@@ -101,6 +102,14 @@ class StreamSilentError(EtcdUnavailableError):
     """A watch stream stopped answering progress requests and was dropped."""
 
 
+class NoLeaderError(EtcdUnavailableError):
+    """etcd refused or ended a leader-required stream: its member has no leader.
+
+    The member is cut off from the rest of the cluster, or an election is under way; the
+    adapter avoids it for a moment, so the next stream goes to another member.
+    """
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether the same call may succeed when tried again later."""
     return isinstance(exc, EtcdUnavailableError)
@@ -119,7 +128,10 @@ class WatchStream(Protocol):
     """One watch of a key prefix: iterate for responses; a dead stream raises, never hangs.
 
     Iteration raises ``Compacted`` when the start revision is gone, and a DiscoveryError
-    (``EtcdUnavailableError`` when transient) when the stream ends for any other reason.
+    (``EtcdUnavailableError`` when transient, ``NoLeaderError`` when its member has no
+    leader) when the stream ends for any other reason. Every response comes from a member
+    that had a leader when it was sent, give or take how long etcd takes to end the
+    streams of a member that lost it (2-3 election timeouts).
     """
 
     def __iter__(self) -> Iterator[WatchResponse]: ...
@@ -129,7 +141,10 @@ class WatchStream(Protocol):
 
 
 class KeepAliveStream(Protocol):
-    """One lease keepalive stream that serves any number of leases."""
+    """One lease keepalive stream that serves any number of leases.
+
+    Like a watch stream, it is refused or ended by a member without a leader.
+    """
 
     def send_keepalive(self, lease_id: int) -> None:
         """Ask etcd to renew ``lease_id``; the answer arrives through iteration."""
@@ -202,16 +217,18 @@ class EtcdPort(Protocol):
         """Delete ``key``; whether it existed."""
         ...
 
-    def open_watch(self, prefix: str, start_revision: int, *, heartbeat: float) -> WatchStream:
-        """Watch ``prefix`` from ``start_revision`` (inclusive).
+    def open_watch(
+        self, prefix: str, start_revision: int, *, heartbeat: float, progress_interval: float
+    ) -> WatchStream:
+        """Watch ``prefix`` from ``start_revision`` (inclusive), on a member with a leader.
 
-        A quiet stream is asked for progress every ``heartbeat`` seconds and dropped
-        after two silent ones.
+        A stream quiet for ``progress_interval`` seconds is asked for progress (each answer
+        is a response without events), and dropped after two silent ``heartbeat`` s.
         """
         ...
 
     def open_keepalive(self) -> KeepAliveStream:
-        """Open one keepalive stream for any number of leases."""
+        """Open one keepalive stream for any number of leases, on a member with a leader."""
         ...
 
     def on_close(self, hook: Callable[[], None]) -> None:

@@ -320,6 +320,9 @@ class Registration:
         self._last_error: str | None = None
         self._last_keepalive: datetime | None = None
         self._keeper: _Keeper | None = None
+        # Leases of attempts whose outcome is unknown (no answer, revoke failed too): a
+        # record found on one of them was written by us.
+        self._unsure_leases: set[int] = set()
 
     # -- public view ------------------------------------------------------------------
 
@@ -511,9 +514,14 @@ class Registration:
             revision = self._put(lease_id, encode(record), replace=replace)
         except BaseException:
             if lease_id != previous:
-                with contextlib.suppress(DiscoveryError):
+                try:
                     conn.revoke(lease_id)
+                except DiscoveryError:
+                    # The write may have landed all the same (a member cut off from the
+                    # cluster after replicating it never answers): it would be ours.
+                    self._unsure_leases.add(lease_id)
             raise
+        self._unsure_leases.clear()  # a later write cannot land any more: ours is in
         with self._lock:
             self._lease_id = lease_id
             self._record = record
@@ -532,7 +540,8 @@ class Registration:
         """Write ``value`` on ``lease_id`` unless another live lease holds the key.
 
         Returns the revision of the write. The key counts as ours when it is on this
-        lease or on our previous one (which may still be expiring after an outage).
+        lease, on our previous one (which may still be expiring after an outage) or on
+        the lease of an attempt whose answer never came.
         """
         conn = self._conn
         result = (conn.replace if replace else conn.create)(self.key, value, lease_id)
@@ -541,7 +550,7 @@ class Registration:
             if found is None:  # deleted since: try again
                 return self._put(lease_id, value, replace=replace)
             holder = found.lease
-            if not holder or holder not in (lease_id, self._lease_id):
+            if not holder or holder not in (lease_id, self._lease_id, *self._unsure_leases):
                 remaining = conn.lease_ttl(holder) if holder else -1
                 raise EngineConflictError(self.engine_id, self.key, holder, remaining)
             result = conn.update(self.key, value, lease_id, mod_revision=found.mod_revision)
@@ -551,7 +560,7 @@ class Registration:
         if holder and holder != lease_id:
             # The previous holder (someone we replaced, or our own expiring lease) goes.
             conn.revoke(holder)
-            if holder != self._lease_id:
+            if holder != self._lease_id and holder not in self._unsure_leases:
                 log.warning("%s: replaced the record held by lease %016x", self.engine_id, holder)
         return result.revision
 

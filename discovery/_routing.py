@@ -134,13 +134,17 @@ def watch_table(
     selector: Mapping[str, str] | None = None,
     connection: Connection | None = None,
     heartbeat: float = 5.0,
+    progress_interval: float = 1.0,
+    stale_after: float | None = None,
     metrics: MetricsHooks | None = None,
 ) -> RoutingTable:
     """A routing table on a watcher of its own; ``start()`` it (or use ``with``).
 
     The watcher uses ``connection`` if given, else one of its own built from ``settings``
     (default ``Settings.from_env()``), closed when the table stops. ``namespace`` and
-    ``selector`` choose the engines; ``metrics`` exports the table's and watcher's figures.
+    ``selector`` choose the engines; ``progress_interval`` and ``stale_after`` are the
+    watcher's (see ``EndpointWatcher``); ``metrics`` exports the table's and watcher's
+    figures.
     """
     watcher = EndpointWatcher(
         settings,
@@ -148,6 +152,8 @@ def watch_table(
         selector=selector,
         connection=connection,
         heartbeat=heartbeat,
+        progress_interval=progress_interval,
+        stale_after=stale_after,
         metrics=metrics,
     )
     return RoutingTable(watcher, own_watcher=True, metrics=metrics)

@@ -33,6 +33,7 @@ _ENV_NAMES = {
     "namespace": "NAMESPACE",
     "dial_timeout": "DIAL_TIMEOUT",
     "request_timeout": "REQUEST_TIMEOUT",
+    "election_timeout": "ELECTION_TIMEOUT",
     "ca_cert": "ETCD_CA_CERT",
     "cert": "ETCD_CERT",
     "key": "ETCD_KEY",
@@ -55,7 +56,10 @@ class Settings:
     (http), as a sequence or one comma-separated string. ``https`` endpoints use TLS,
     verified against ``ca_cert`` (system roots when it is None); ``cert``/``key`` add a
     client certificate. ``dial_timeout`` bounds how long a one-shot call keeps retrying
-    an unreachable cluster; ``request_timeout`` bounds each RPC. ``password_file`` is an
+    an unreachable cluster; ``request_timeout`` bounds each RPC. ``election_timeout`` is
+    the etcd cluster's own (its ``--election-timeout``, in seconds; etcd's default 1 s):
+    it sets how long a watcher may go without hearing from a member that has a leader
+    before it calls itself stale. ``password_file`` is an
     alternative to ``password``: the file is read again every time the client
     authenticates, so a rotated secret is picked up without a restart.
 
@@ -69,6 +73,7 @@ class Settings:
     namespace: str = DEFAULT_NAMESPACE
     dial_timeout: float = 5.0
     request_timeout: float = 5.0
+    election_timeout: float = 1.0
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
@@ -97,7 +102,7 @@ class Settings:
             KeySpace(self.root, self.namespace)
         except InvalidRecordError as exc:
             raise ConfigurationError(str(exc)) from exc
-        for name in ("dial_timeout", "request_timeout"):
+        for name in ("dial_timeout", "request_timeout", "election_timeout"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

@@ -9,6 +9,11 @@ fans the resulting batch out to its sinks (iterators, callbacks, routing-table l
 The records live in a persistent map (``immutables.Map``): a batch costs O(changes x
 log N) and a snapshot is the map itself, so neither copies the table (50,000 engines
 included). A reader never sees half a revision.
+
+A snapshot carries the watch's proof of being current (``_staleness.Freshness``):
+``snapshot.staleness`` is read when asked, so a snapshot kept for long grows stale, and a
+table that a partition cut off from every member with a leader keeps serving its last
+content (fail-static) while its snapshots say ``stale``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import immutables
 
 from ._codec import EngineRecord, RecordView
 from ._dispatch import Dispatcher
+from ._staleness import Freshness
 
 __all__ = ["EndpointEvent", "EventType", "RoutingSnapshot"]
 
@@ -86,14 +92,50 @@ class Change(NamedTuple):
 
 
 class RoutingSnapshot(Mapping[str, EngineRecord]):
-    """An immutable view of the table: engine id -> record, at ``revision``."""
+    """An immutable view of the table: engine id -> record, at ``revision``.
 
-    __slots__ = ("_entries", "revision")
+    ``staleness`` and ``stale`` say how current it is, at the time you ask: the store's
+    snapshot shares its watcher's proof of being current until the store changes, and
+    keeps the last such proof from then on. A snapshot of a store fed by hand has no
+    proof: its staleness is 0.
+    """
 
-    def __init__(self, entries: immutables.Map[str, Entry], revision: int) -> None:
+    __slots__ = ("_entries", "_freshness", "_proven_until", "revision")
+
+    def __init__(
+        self,
+        entries: immutables.Map[str, Entry],
+        revision: int,
+        freshness: Freshness | None = None,
+    ) -> None:
         self._entries = entries
         self.revision = revision
         """The etcd revision this view is current at."""
+        self._freshness = freshness
+        self._proven_until: float | None = None
+
+    def _supersede(self) -> None:
+        """The store moved on: later proofs no longer cover this content."""
+        if self._freshness is not None:
+            self._proven_until = self._freshness.proven_at
+
+    @property
+    def proven_at(self) -> float | None:
+        """``time.monotonic()`` when etcd last proved this content current (None: no proof)."""
+        if self._proven_until is not None or self._freshness is None:
+            return self._proven_until
+        return self._freshness.proven_at
+
+    @property
+    def staleness(self) -> float:
+        """Seconds, now, since etcd last proved this content current (0 without a proof)."""
+        proven_at = self.proven_at
+        return 0.0 if proven_at is None else max(0.0, time.monotonic() - proven_at)
+
+    @property
+    def stale(self) -> bool:
+        """Whether ``staleness`` exceeds the watcher's ``stale_after``: etcd may hold more."""
+        return self._freshness is not None and self.staleness > self._freshness.stale_after
 
     def __getitem__(self, engine_id: str) -> EngineRecord:
         return self._entries[engine_id].record
@@ -119,9 +161,13 @@ class Sink(Protocol):
 
 
 class EngineStore:
-    """The engines of one watch, keyed by engine id; thread-safe (see the module docs)."""
+    """The engines of one watch, keyed by engine id; thread-safe (see the module docs).
 
-    def __init__(self) -> None:
+    ``freshness`` is the watch's proof of being current, which snapshots carry.
+    """
+
+    def __init__(self, freshness: Freshness | None = None) -> None:
+        self._freshness = freshness
         self._cond = threading.Condition()
         self._entries: immutables.Map[str, Entry] = immutables.Map()
         self._revision = 0
@@ -180,6 +226,10 @@ class EngineStore:
 
     def _commit_locked(self, batch: Batch, revision: int) -> Batch:
         self._revision = max(self._revision, revision)
+        if self._snapshot is not None:
+            # The watch records its proof of this batch after handing it over, so the
+            # proof time now is the last one that covered the old content.
+            self._snapshot._supersede()
         self._snapshot = None
         if batch:
             for sink in self._sinks:
@@ -225,7 +275,7 @@ class EngineStore:
         """An immutable view of every engine and the revision it is current at."""
         with self._cond:
             if self._snapshot is None:
-                self._snapshot = RoutingSnapshot(self._entries, self._revision)
+                self._snapshot = RoutingSnapshot(self._entries, self._revision, self._freshness)
             return self._snapshot
 
     def get(self, engine_id: str) -> EngineRecord | None:

@@ -3,16 +3,20 @@
 The informer pattern, adapted to etcd. What a consumer may rely on:
 
 * **Snapshot first.** The prefix is read at one revision R (paged, every page at R) and
-  each valid record is delivered as ``added`` in one batch; the watch then starts at
-  R + 1, so nothing written between the read and the watch is lost.
+  each valid record is delivered as ``added`` in one batch; the watch then starts at R
+  (R's own changes, already listed, are skipped), so nothing written between the read
+  and the watch is lost.
 * **Order.** Batches arrive in revision order. A batch holds the events of one etcd
   revision (or of one snapshot) and is applied to a RoutingTable atomically.
   ``event.revision`` is the revision of the change, or R for events of a snapshot.
 * **Exactly once across reconnects.** After a stream error, an etcd restart, a member
   failover or a stream that went silent (a watchdog asks etcd for progress and cancels a
-  quiet stream), the watch resumes from the last applied revision + 1 with jittered
-  exponential backoff. Nothing is missed and nothing is delivered twice; a put whose
-  mod revision is not newer than the cached one is ignored.
+  quiet stream), the watch resumes at the last applied revision with jittered
+  exponential backoff; its changes come again and are skipped. Nothing is missed and
+  nothing is delivered twice: a change not newer than the one held is ignored. (Not
+  from the next revision: etcd before 3.5.16 drops the tombstone of a delete made at
+  exactly the compaction revision, etcd-io/etcd#18089, and a watch resumed there would
+  never see that delete; from the applied revision, such a compaction means a relist.)
 * **Compaction.** If the resume revision has been compacted, the prefix is listed again
   and exactly the difference from the cache is delivered (``added`` / ``updated`` /
   ``removed``, including deletions that happened while disconnected).
@@ -22,6 +26,16 @@ The informer pattern, adapted to etcd. What a consumer may rely on:
   ``added``; deleting a never-valid key delivers nothing. The same holds for records
   that stop (or start) matching the label selector.
 * **Removed events** carry the last known record.
+* **Partitions.** The watch stream is leader-required: a member cut off from the rest of
+  the cluster refuses it, or ends it within a few election timeouts of losing its leader,
+  and the watch resumes at once on another member, at the last applied revision.
+  List reads are linearizable (they fail on a member without a leader).
+* **Bounded staleness.** ``health().staleness`` is the time since a member with a leader
+  last answered (an event, or the answer to a progress request sent after
+  ``progress_interval`` of quiet); ``health().stale`` says it exceeds ``stale_after``
+  (see ``discovery._staleness`` for the default and the bound it gives). When no member
+  with a leader answers, the watcher keeps its last table (fail-static) and says so in
+  ``health()``, snapshots, ``discovery_watcher_staleness_seconds`` and a WARNING log.
 """
 
 from __future__ import annotations
@@ -44,17 +58,25 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponent
 from ._codec import EngineRecord, KeySpace, RecordView
 from ._connection import Connection
 from ._dispatch import Dispatcher
-from ._errors import ClosedError, DiscoveryError, EtcdUnavailableError, RecordDecodeError
+from ._errors import (
+    ClosedError,
+    ConfigurationError,
+    DiscoveryError,
+    EtcdUnavailableError,
+    RecordDecodeError,
+)
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import (
     Compacted,
     EtcdPort,
+    NoLeaderError,
     StreamSilentError,
     WatchEvent,
     WatchStream,
     explain,
 )
 from ._settings import Settings
+from ._staleness import Freshness, default_stale_after
 from ._store import Batch, Change, EndpointEvent, EngineStore, Entry
 
 __all__ = [
@@ -95,6 +117,12 @@ class WatcherHealth:
     skipped: int
     """Values under the prefix that could not be decoded."""
     engines: int
+    staleness: float = 0.0
+    """Seconds since an etcd member with a leader last answered (see ``stale_after``)."""
+    stale: bool = False
+    """Whether ``staleness`` exceeds ``stale_after``: the table may miss changes."""
+    stale_after: float = 0.0
+    """The staleness threshold in seconds."""
 
 
 class _Resume(Exception):
@@ -110,6 +138,12 @@ class EndpointWatcher:
     and ``stop()`` are explicit and idempotent; ``stop()`` ends every iterator and
     leaves no thread or stream behind. The engines themselves live in one store
     (``watcher.store``), which a ``RoutingTable`` reads.
+
+    ``progress_interval`` (seconds, default 1) is how long the stream may stay quiet
+    before the watcher asks etcd for a progress notification; ``stale_after`` (seconds,
+    default ``progress_interval + 3 x settings.election_timeout``) is the staleness
+    above which ``health().stale`` is true. A stream that answers nothing for two
+    ``heartbeat`` s is dropped and opened again.
     """
 
     def __init__(
@@ -120,8 +154,15 @@ class EndpointWatcher:
         selector: Mapping[str, str] | None = None,
         connection: Connection | None = None,
         heartbeat: float = 5.0,
+        progress_interval: float = 1.0,
+        stale_after: float | None = None,
         metrics: MetricsHooks | None = None,
     ) -> None:
+        for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise ConfigurationError(f"{name} must be a positive number of seconds")
         self._metrics = metrics or NO_METRICS
         self._owns_connection = connection is None
         if connection is None:
@@ -137,9 +178,16 @@ class EndpointWatcher:
         )
         self.prefix = self._keyspace.prefix
         self.selector = MappingProxyType(dict(selector or {}))
-        self.store = EngineStore()
+        if stale_after is None:
+            stale_after = default_stale_after(
+                progress_interval, connection.settings.election_timeout
+            )
+        self.freshness = Freshness(self.prefix, stale_after, self._describe)
+        """When a member with a leader last answered this watcher."""
+        self.store = EngineStore(self.freshness)
         """The engines this watcher sees: the one copy, shared by every RoutingTable on it."""
         self._heartbeat = heartbeat
+        self._progress_interval = progress_interval
         self._lock = threading.Lock()
         self._newest = 0  # newest etcd revision seen in any response: lag = newest - applied
         self._listed = threading.Event()
@@ -154,6 +202,7 @@ class EndpointWatcher:
         self._reconnects = 0
         self._relists = 0
         self._skipped = 0
+        self._metrics.observe_watcher(self)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -167,6 +216,7 @@ class EndpointWatcher:
             if self._stop.is_set():
                 raise ClosedError("watcher is stopped")
             if self._thread is None:
+                self.freshness.start()
                 self._thread = threading.Thread(
                     target=self._run, name="discovery-watcher", daemon=True
                 )
@@ -191,6 +241,7 @@ class EndpointWatcher:
         with self._lock:
             self._state = WatcherState.STOPPED
         self.store.close()
+        self.freshness.stop()
         if self._owns_connection:
             self._conn.close()
 
@@ -246,7 +297,8 @@ class EndpointWatcher:
         return self.store.revision
 
     def health(self) -> WatcherHealth:
-        """Connection state, last error, revision and counters."""
+        """Connection state, last error, revision, counters and staleness."""
+        staleness = self.freshness.age()
         with self._lock:
             return WatcherHealth(
                 state=self._state,
@@ -259,7 +311,16 @@ class EndpointWatcher:
                 relists=self._relists,
                 skipped=self._skipped,
                 engines=len(self.store),
+                staleness=staleness,
+                stale=staleness > self.freshness.stale_after,
+                stale_after=self.freshness.stale_after,
             )
+
+    def _describe(self) -> str:
+        """What the watcher serves, and why it is not current: for the stale warning."""
+        with self._lock:
+            error = self._last_error or "none"
+        return f"{len(self.store)} engines at revision {self.store.revision}, last error: {error}"
 
     # -- the list-watch loop -----------------------------------------------------------
 
@@ -267,7 +328,7 @@ class EndpointWatcher:
         while not self._stop.is_set():
             retrying = Retrying(
                 retry=retry_if_exception(self._should_retry),
-                wait=wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2),
+                wait=self._backoff,
                 sleep=self._pause,
                 before_sleep=self._before_retry,
                 reraise=True,
@@ -281,6 +342,16 @@ class EndpointWatcher:
                     log.exception("watcher loop failed; restarting")
                     self._on_retry(exc)
                     self._stop.wait(1.0)
+
+    _exponential = wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2)
+
+    def _backoff(self, state: RetryCallState) -> float:
+        delay: float = self._exponential(state)
+        if state.outcome is not None and isinstance(state.outcome.exception(), NoLeaderError):
+            # A partition or an election: another member (or this one, once it has a
+            # leader again) answers soon, and a refusal costs etcd next to nothing.
+            return min(delay, self._conn.settings.election_timeout / 4)
+        return delay
 
     def _pause(self, seconds: float) -> None:
         self._stop.wait(seconds)  # a stop ends the backoff at once
@@ -308,7 +379,10 @@ class EndpointWatcher:
         if self._needs_list:
             self._relist()
         stream = self._conn.open_watch(
-            self.prefix, self.store.revision + 1, heartbeat=self._heartbeat
+            self.prefix,
+            self.store.revision,  # inclusive: see "Exactly once" in the module docs
+            heartbeat=self._heartbeat,
+            progress_interval=self._progress_interval,
         )
         self._stream = stream
         if self._stop.is_set():
@@ -321,6 +395,7 @@ class EndpointWatcher:
                 self._newest = max(self._newest, response.revision)
                 if response.events:
                     self._apply(response.events)
+                self.freshness.proved()  # after the store took the batch (see _store.py)
                 self._metrics.watcher_revision(self.prefix, self.store.revision, self._newest)
         except Compacted as exc:
             log.warning("watch of %s fell behind compaction (%s); listing again", self.prefix, exc)
@@ -366,6 +441,7 @@ class EndpointWatcher:
         self._newest = max(self._newest, revision)
         self._metrics.events_applied(self.prefix, (e.type.value for e in batch), 0.0)
         self._metrics.watcher_revision(self.prefix, revision, self._newest)
+        self.freshness.proved()  # a linearizable read: its member had a leader
         self._mark_connected()
 
     def _decode(self, key: str, value: bytes) -> EngineRecord | None:
@@ -384,8 +460,11 @@ class EndpointWatcher:
         """Hand one response's changes to the store (decoded here, outside its lock)."""
         started = time.perf_counter()
         skip = len(self.prefix)
+        held = self.store.revision  # the watch starts there: its changes come again
         changes = []
         for event in events:
+            if event.kv.mod_revision <= held:
+                continue
             key = event.kv.key.decode("utf-8", "backslashreplace")
             record = self._decode(key, event.kv.value) if event.is_put else None
             changes.append(Change(key, key[skip:], event.kv.mod_revision, record))
@@ -460,6 +539,8 @@ def _cause(exc: BaseException) -> str:
         return "compaction"
     if isinstance(exc, StreamSilentError):
         return "timeout"
+    if isinstance(exc, NoLeaderError):
+        return "no_leader"
     return "stream_error"
 
 

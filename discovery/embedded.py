@@ -94,7 +94,7 @@ _PDEATHSIG_SHIM = (
     "import ctypes,os,signal,sys;"
     "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL);"
     "os.getppid()==int(sys.argv[1]) or os._exit(1);"
-    "os.execv(sys.argv[2],sys.argv[2:])"
+    "os.execvp(sys.argv[2],sys.argv[2:])"
 )
 
 
@@ -130,14 +130,29 @@ class ServerTLS:
 
 
 class EtcdMember:
-    """One etcd process of an EtcdCluster."""
+    """One etcd process of an EtcdCluster.
 
-    def __init__(self, cluster: EtcdCluster, name: str, client_port: int, peer_port: int) -> None:
+    ``client_host`` / ``peer_host`` are the addresses it listens on (loopback by default);
+    ``wrapper`` is a command prefix it runs under (e.g. ``ip netns exec NAME``).
+    """
+
+    def __init__(
+        self,
+        cluster: EtcdCluster,
+        name: str,
+        client_port: int,
+        peer_port: int,
+        *,
+        client_host: str = "127.0.0.1",
+        peer_host: str = "127.0.0.1",
+        wrapper: Sequence[str] = (),
+    ) -> None:
         self.cluster = cluster
         self.name = name
         scheme = "https" if cluster.tls else "http"
-        self.client_url = f"{scheme}://127.0.0.1:{client_port}"
-        self.peer_url = f"http://127.0.0.1:{peer_port}"
+        self.client_url = f"{scheme}://{client_host}:{client_port}"
+        self.peer_url = f"http://{peer_host}:{peer_port}"
+        self.wrapper = tuple(wrapper)
         self.data_dir = Path(cluster.base_dir) / name
         self.log_path = Path(cluster.base_dir) / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -155,6 +170,7 @@ class EtcdMember:
     def _command(self) -> list[str]:
         c = self.cluster
         args = [
+            *self.wrapper,
             c.binary,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
@@ -260,14 +276,16 @@ class EtcdCluster:
     def _start_once(self, timeout: float) -> None:
         self.stop()
         self.base_dir = tempfile.mkdtemp(prefix="discovery-etcd-")
-        ports = _free_ports(2 * self.size)
-        self.members = [
-            EtcdMember(self, f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(self.size)
-        ]
         _LIVE.add(self)
+        self.members = self._create_members()
         for member in self.members:
             member.start()
         self.wait_healthy(timeout)
+
+    def _create_members(self) -> list[EtcdMember]:
+        """The members of a new start: free loopback ports (subclasses place them elsewhere)."""
+        ports = _free_ports(2 * self.size)
+        return [EtcdMember(self, f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(self.size)]
 
     def wait_healthy(
         self, timeout: float = _START_TIMEOUT, members: Sequence[EtcdMember] = ()
@@ -300,11 +318,16 @@ class EtcdCluster:
         status = self.etcdctl("endpoint", "status", "-w", "json", endpoints=[member])
         return json.loads(status.stdout)[0]["Status"] if status.returncode == 0 else None
 
+    def has_leader(self, member: EtcdMember) -> bool:
+        """Whether ``member`` answers and knows a Raft leader (its own view)."""
+        info = self._status(member)
+        return info is not None and info.get("leader", 0) != 0
+
     def leader(self) -> EtcdMember:
         """The member that is the Raft leader now."""
         for member in self.members:
             info = self._status(member)
-            if info is not None and info["header"]["member_id"] == info["leader"]:
+            if info is not None and info["header"]["member_id"] == info.get("leader"):
                 return member
         raise EtcdStartError("no leader found")
 
@@ -313,7 +336,7 @@ class EtcdCluster:
         info = self._status(member)
         if info is None:
             raise EtcdStartError(f"{member.name} does not answer")
-        if info["header"]["member_id"] == info["leader"]:
+        if info["header"]["member_id"] == info.get("leader"):
             return
         moved = self.etcdctl("move-leader", f"{info['header']['member_id']:x}")
         if moved.returncode != 0:

@@ -7,10 +7,14 @@
 * ``etcd`` / ``etcd3`` (per test): private local members the test may kill and restart;
   ``etcd`` parametrized with ``"container"`` (``tests.containers.both_etcds``) is a
   private etcd container instead.
+* ``netns_etcd3`` (per test): 3 members in network namespaces that the test may partition
+  (``discovery.embedded_netns``); skipped, with the reason, where namespaces cannot be
+  built (not root, no iproute2). ``chaos_etcd3``: the same where it can be built, else 3
+  loopback members and a warning.
 
 Tests marked ``docker`` need a Docker engine and the images: without them they are
 skipped with the reason. Every local member is checked to be gone, with its data
-directory, after the test; every container, to be removed.
+directory (and its namespaces and links), after the test; every container, to be removed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +30,7 @@ import pytest
 
 from discovery import Settings
 from discovery.embedded import EtcdCluster
+from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
 
@@ -54,6 +60,7 @@ def _checked_cluster(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
     cluster.start()
     base_dir = cluster.base_dir
     processes = [m.process for m in cluster.members]
+    prefix = cluster.prefix if isinstance(cluster, PartitionableCluster) else None
     try:
         yield cluster
     finally:
@@ -62,6 +69,8 @@ def _checked_cluster(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
     assert not base_dir or not Path(base_dir).exists(), f"etcd data {base_dir} left behind"
     if isinstance(cluster, ContainerEtcd):
         assert not cluster.containers_left(), "etcd container left behind"
+    if prefix is not None:
+        assert not leftovers(prefix), f"namespaces or links left behind: {leftovers(prefix)}"
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +108,33 @@ def etcd(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
 def etcd3() -> Iterator[EtcdCluster]:
     """A private 3-member etcd cluster."""
     with _checked_cluster(EtcdCluster(3)) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def netns_available() -> None:
+    """Skip, saying why, where network namespaces cannot be built (never a silent pass)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"partition test skipped: {reason}")
+
+
+@pytest.fixture
+def netns_etcd3(netns_available: None) -> Iterator[PartitionableCluster]:
+    """A private 3-member cluster, one network namespace per member: cut() / heal() them."""
+    with _checked_cluster(PartitionableCluster(3)) as cluster:
+        assert isinstance(cluster, PartitionableCluster)
+        yield cluster
+
+
+@pytest.fixture
+def chaos_etcd3() -> Iterator[EtcdCluster]:
+    """3 members in network namespaces where they can be built (so they can be cut), else on
+    loopback, with a warning naming the reason (the soak then runs without partitions)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        warnings.warn(f"chaos soak without partitions: {reason}", pytest.PytestWarning, 2)
+    with _checked_cluster(EtcdCluster(3) if reason else PartitionableCluster(3)) as cluster:
         yield cluster
 
 

@@ -2,14 +2,17 @@
 
 20 ``discovery register`` and 3 ``discovery watch --format jsonl`` subprocesses run while
 the test, at random, SIGKILLs or SIGTERMs registrars and starts new ones, kills and restarts
-etcd members (the leader included), forces compaction, and once (every ~90 s in the long
-variant) stops the whole cluster for longer than the TTL. Then, once every registrar has
-settled and the TTLs of the killed ones have passed:
+etcd members (the leader included), cuts a member (the leader included) off from the other
+two for 0.3 s to 2 TTLs (a network partition: the members run in network namespaces; where
+those cannot be built the soak runs without partitions and warns why), forces compaction,
+and once (every ~90 s in the long variant) stops the whole cluster for longer than the TTL.
+Then, once every registrar has settled and the TTLs of the killed ones have passed:
 
 * etcd holds exactly the keys of the live registrars (none left without a live owner);
 * each watcher's table, rebuilt from its event stream, equals etcd's content;
 * each event stream is in revision order, without duplicates, and consistent (``added``
   only for an absent engine, ``updated`` / ``removed`` only for a present one);
+* no watcher is stale: each one's last staleness report (if any) says it is current again;
 * no watcher or registrar crashed: the live ones still run and exit 0 on SIGTERM, the
   ones SIGTERMed during the run exited 0, and no log holds a traceback.
 
@@ -35,6 +38,7 @@ import pytest
 
 from discovery import Connection, Settings
 from discovery.embedded import EtcdCluster, EtcdMember
+from discovery.embedded_netns import PartitionableCluster
 
 from .helpers import Registrar, cli_env, raw_call, wait_for
 
@@ -129,6 +133,7 @@ class Chaos:
         self.sigtermed: list[Registrar] = []
         self.next_id = 0
         self.down: dict[EtcdMember, float] = {}  # member -> when to start it again
+        self.cut: dict[EtcdMember, float] = {}  # member -> when to heal its peer link
         self.pause = threading.Event()  # never set: its wait() paces the faults
 
     # -- registrars --------------------------------------------------------------------
@@ -161,28 +166,55 @@ class Chaos:
 
     # -- etcd --------------------------------------------------------------------------
 
-    def restart_due_members(self, *, all_now: bool = False) -> None:
+    def repair_due_members(self, *, all_now: bool = False) -> None:
         now = time.monotonic()
         for member, due in list(self.down.items()):
             if all_now or now >= due:
                 member.start()
                 del self.down[member]
+        for member, due in list(self.cut.items()):
+            if all_now or now >= due:
+                assert isinstance(self.cluster, PartitionableCluster)
+                self.cluster.heal(member)
+                del self.cut[member]
 
     def all_healthy(self) -> bool:
-        return not self.down and all(m.running and m.healthy() for m in self.cluster.members)
+        return (
+            not self.down
+            and not self.cut
+            and all(m.running and m.healthy() for m in self.cluster.members)
+        )
 
-    def kill_member(self, *, leader: bool) -> None:
+    def pick_member(self, *, leader: bool) -> EtcdMember | None:
+        """The leader or a random follower, when every member is healthy (quorum stays)."""
         if not self.all_healthy():
-            return  # one member down at a time: quorum stays
+            return None  # one member impaired at a time
         try:
             target = self.cluster.leader()
         except Exception:
-            return  # electing right now
+            return None  # electing right now
         if not leader:
             target = self.rng.choice([m for m in self.cluster.members if m is not target])
+        return target
+
+    def kill_member(self, *, leader: bool) -> None:
+        if (target := self.pick_member(leader=leader)) is None:
+            return
         target.stop(kill=True)
         self.down[target] = time.monotonic() + self.rng.uniform(0.5, 3.0)
         self.faults["etcd leader SIGKILL" if leader else "etcd follower SIGKILL"] += 1
+
+    def partition_member(self, *, leader: bool) -> None:
+        if not isinstance(self.cluster, PartitionableCluster):
+            return
+        if (target := self.pick_member(leader=leader)) is None:
+            return
+        self.cluster.cut(target)
+        # From shorter than an election timeout (nothing should happen) to 2 TTLs.
+        length = self.rng.uniform(0.3, 2 * TTL)
+        self.cut[target] = time.monotonic() + length
+        role = "leader" if leader else "follower"
+        self.faults[f"etcd {role} partitioned {'< 1 s' if length < 1 else '>= 1 s'}"] += 1
 
     def compact(self) -> None:
         try:
@@ -194,7 +226,7 @@ class Chaos:
         self.faults["compaction"] += 1
 
     def stop_cluster(self) -> None:
-        self.restart_due_members(all_now=True)
+        self.repair_due_members(all_now=True)
         self.cluster.wait_healthy(timeout=30)
         for member in self.cluster.members:
             member.stop(kill=True)
@@ -223,10 +255,12 @@ class Chaos:
             "start": 2.0,
             "follower": 1.5,
             "leader": 1.5,
+            "cut follower": 1.5,
+            "cut leader": 1.5,
             "compact": 1.5,
         }
         while time.monotonic() - start < seconds:
-            self.restart_due_members()
+            self.repair_due_members()
             if stop_at and time.monotonic() >= stop_at[0]:
                 stop_at.pop(0)
                 self.stop_cluster()
@@ -241,6 +275,8 @@ class Chaos:
                 self.faults["registrar started"] += 1
             elif action in ("follower", "leader"):
                 self.kill_member(leader=action == "leader")
+            elif action in ("cut follower", "cut leader"):
+                self.partition_member(leader=action == "cut leader")
             elif action == "compact":
                 self.compact()
             while len(self.live) < REGISTRARS - 2:  # replace the fallen
@@ -269,7 +305,14 @@ def table_view(table: dict[str, dict]) -> dict[str, dict]:
     return {e: {"endpoint": ev["endpoint"], "labels": ev["labels"]} for e, ev in table.items()}
 
 
-def test_chaos_soak(etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
+def last_staleness_report(log: str) -> str | None:
+    """The watcher's last 'is stale' / 'is current again' log line, if any."""
+    reports = [line for line in log.splitlines() if "is stale" in line or "current again" in line]
+    return reports[-1] if reports else None
+
+
+def test_chaos_soak(chaos_etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
+    etcd3 = chaos_etcd3
     settings = Settings(
         endpoints=etcd3.endpoints, namespace=f"chaos-{os.getpid()}", dial_timeout=20
     )
@@ -295,14 +338,24 @@ def test_chaos_soak(etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
 
         # Settle: every member back, every live registrar registered, TTLs passed.
         settle_began = time.monotonic()
-        chaos.restart_due_members(all_now=True)
+        chaos.repair_due_members(all_now=True)
         etcd3.wait_healthy(timeout=30)
-        wait_for(
-            lambda: all(chaos.ready(r) for r in chaos.live),
-            timeout=60,
-            message="every live registrar registered",
-            interval=0.2,
-        )
+        try:
+            wait_for(
+                lambda: all(chaos.ready(r) for r in chaos.live),
+                timeout=60,
+                message="every live registrar registered",
+                interval=0.2,
+            )
+        except AssertionError as exc:
+            unready = [r for r in chaos.live if not chaos.ready(r)]
+            raise AssertionError(
+                f"{exc}; not registered: "
+                + "\n".join(
+                    f"{r.engine_id} (exit status {r.process.poll()}):\n{r.output()[-2000:]}"
+                    for r in unready
+                )
+            ) from None
         live_ids = {r.engine_id for r in chaos.live}
         wait_for(
             lambda: set(chaos.etcd_content()) == live_ids,
@@ -318,10 +371,24 @@ def test_chaos_soak(etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
         def watchers_agree() -> bool:
             return all(table_view(replay(w.events())[0]) == content for w in watchers)
 
-        wait_for(watchers_agree, timeout=30, message="every watcher's table == etcd", interval=0.2)
+        try:
+            wait_for(watchers_agree, timeout=30, message="every watcher's table == etcd")
+        except AssertionError as exc:
+            tables = [table_view(replay(w.events())[0]) for w in watchers]
+            raise AssertionError(
+                f"{exc}: "
+                + "; ".join(
+                    f"watcher {i} misses {sorted(content.keys() - t.keys())}, has extra "
+                    f"{sorted(t.keys() - content.keys())}, differs on "
+                    f"{sorted(k for k in t.keys() & content.keys() if t[k] != content[k])}"
+                    for i, t in enumerate(tables)
+                )
+            ) from None
         settle = time.monotonic() - settle_began
         problems = {i: replay(w.events())[1] for i, w in enumerate(watchers)}
         assert not any(problems.values()), problems
+        reports = [last_staleness_report(w.log()) for w in watchers]
+        assert not [r for r in reports if r and "is stale" in r], reports
 
         # Nobody crashed: everyone still running; a clean exit on SIGTERM.
         assert all(w.process.poll() is None for w in watchers), "a watcher died"
@@ -350,13 +417,15 @@ def test_chaos_soak(etcd3: EtcdCluster, tmp_path: Path, capsys) -> None:
 
         relists = sum(w.log().count("listing again") for w in watchers)
         reconnects = sum(w.log().count("reconnecting") for w in watchers)
+        stale_spells = sum(w.log().count("is stale") for w in watchers)
         events = sum(len(w.events()) for w in watchers)
         with capsys.disabled():
             print(
                 f"\nchaos (seed {chaos.seed}): {CHAOS_SECONDS:g} s of faults, setup {setup:.1f} s, "
                 f"settle {settle:.1f} s, total {time.monotonic() - began:.1f} s; registrars: "
                 f"{chaos.next_id} started, {len(chaos.live)} live at the end; watcher events: "
-                f"{events}, reconnects: {reconnects}, relists after compaction: {relists}"
+                f"{events}, reconnects: {reconnects}, relists after compaction: {relists}, "
+                f"stale spells: {stale_spells}"
             )
             for fault, count in sorted(chaos.faults.items()):
                 print(f"  {fault}: {count}")

@@ -1,17 +1,21 @@
 """The test fixtures themselves: an external etcd when configured, else a container when
-Docker answers; Docker tests run in CI."""
+Docker answers; Docker tests run in CI; partitionable clusters cut, heal and leave nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from discovery.embedded_netns import leftovers, sweep_stale
+
 from .containers import DOCKER_OUTCOMES, docker_problem
+from .helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,6 +55,83 @@ def test_leadership_moves_to_the_member_asked_for(etcd3) -> None:
         etcd3.move_leader(member)
         assert etcd3.leader() is member
     etcd3.move_leader(etcd3.leader())  # already the leader: nothing to do
+
+
+def test_a_cut_member_loses_its_leader_and_heals(netns_etcd3) -> None:
+    cluster = netns_etcd3
+    cut, *majority = cluster.members
+    with cluster.partitioned(cut):
+        assert cluster.is_cut(cut)
+        wait_for(lambda: not cluster.has_leader(cut), timeout=15, message="the cut member's leader")
+        assert wait_for(lambda: cluster.has_leader(majority[0]), timeout=15, message="a leader")
+        put = wait_for(
+            lambda: (
+                (r := cluster.etcdctl("put", "/k", "v", endpoints=majority)).returncode == 0 and r
+            ),
+            timeout=15,
+            message="a write on the majority",
+        )
+        assert put.stdout.strip() == "OK"
+        # Clients still reach the cut member; it serves its own, older state.
+        stale = cluster.etcdctl("get", "/k", "--consistency=s", endpoints=[cut])
+        assert stale.returncode == 0 and stale.stdout == ""
+    assert not cluster.is_cut(cut)
+    cluster.wait_healthy(members=[cut])
+    wait_for(
+        lambda: (
+            cluster.etcdctl("get", "/k", "--consistency=s", endpoints=[cut]).stdout == "/k\nv\n"
+        ),
+        timeout=15,
+        message="the healed member to catch up",
+    )
+
+
+_OWNER = """
+import sys, time
+from discovery.embedded_netns import PartitionableCluster
+cluster = PartitionableCluster(3).start()
+pids = [m.pid for m in cluster.members] + [cluster.network._reaper.pid]
+print(cluster.prefix, *pids, flush=True)
+time.sleep(600)
+"""
+
+
+def _kill_owner(*, reaper_too: bool) -> tuple[str, list[int]]:
+    """Start a cluster in a child process, SIGKILL the child: (its prefix, member + reaper pids)."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix, *pids = owner.stdout.readline().split()
+        assert leftovers(prefix), "the child built no namespaces"
+        if reaper_too:
+            os.kill(int(pids[-1]), signal.SIGKILL)
+    finally:
+        owner.kill()
+        owner.wait(10)
+        owner.stdout.close()
+    return prefix, [int(pid) for pid in pids]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()  # a zombie is gone too
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_owner_leaves_no_namespace_behind(netns_available) -> None:
+    """The owner is SIGKILLed, so no finally block runs: its reaper removes everything."""
+    prefix, pids = _kill_owner(reaper_too=False)
+    wait_for(lambda: not leftovers(prefix), timeout=20, message=f"{prefix} namespaces removed")
+    wait_for(lambda: all(_gone(pid) for pid in pids), message="etcd members and reaper gone")
+
+
+def test_leftovers_of_a_dead_owner_are_swept_at_the_next_start(netns_available) -> None:
+    """Owner and reaper both SIGKILLed: the next start sweeps what they left."""
+    prefix, pids = _kill_owner(reaper_too=True)
+    wait_for(lambda: all(_gone(pid) for pid in pids), message="members die with their owner")
+    assert leftovers(prefix), "nothing was left to sweep"
+    assert prefix in sweep_stale()
+    assert not leftovers(prefix)
 
 
 @pytest.mark.docker

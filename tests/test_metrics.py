@@ -198,6 +198,8 @@ def test_exposition_follows_prometheus_conventions(settings: Settings) -> None:
         "discovery_watcher_events",
         "discovery_router_picks",
         "discovery_keepalive_age_seconds",
+        "discovery_watcher_staleness_seconds",
+        "discovery_watcher_stale",
     ):
         assert expected in names, expected
     for family in families:

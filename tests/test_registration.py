@@ -567,3 +567,39 @@ def test_a_failing_keeper_turn_does_not_stop_keepalives(
         wait_for(lambda: reg.health().last_keepalive != seen, timeout=5, message="keepalives again")
         assert reg.health().losses == 0
         assert "keeper turn failed" in caplog.text
+
+
+def test_a_write_whose_answer_was_lost_is_not_a_conflict(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd applied the create, but its answer never came (say its member was cut off from
+    the cluster just after the entry was replicated) and the revoke of that attempt's lease
+    failed too: the retry finds the record on that lease, which is ours, not a rival's."""
+    conn = Connection(settings)
+    create, revoke = conn.create, conn.revoke
+    lost: list[int] = []
+
+    def create_and_lose_the_answer(key: str, value: bytes, lease_id: int):
+        result = create(key, value, lease_id)
+        if not lost:
+            lost.append(lease_id)
+            raise EtcdUnavailableError("answer lost", "answer lost")
+        return result
+
+    def revoke_fails_once(lease_id: int) -> None:
+        if lease_id in lost and lost.count(lease_id) == 1:
+            lost.append(lease_id)
+            raise EtcdUnavailableError("answer lost", "answer lost")
+        revoke(lease_id)
+
+    monkeypatch.setattr(conn, "create", create_and_lose_the_answer)
+    monkeypatch.setattr(conn, "revoke", revoke_fails_once)
+    try:
+        with register_engine(make_endpoint(), engine_id="unsure", ttl=5, connection=conn) as reg:
+            assert reg.state is RegistrationState.REGISTERED and lost
+            kv = get_kv(settings.endpoints, settings.keyspace.key("unsure"))
+            assert kv is not None and kv["lease"] == reg.lease_id != lost[0]
+            assert conn.lease_ttl(lost[0]) <= 0  # the attempt's lease is gone
+            assert reg.health().registrations == 1
+    finally:
+        conn.close()

@@ -54,6 +54,7 @@ def test_defaults() -> None:
     assert settings.namespace == "default"
     assert settings.dial_timeout == 5.0
     assert settings.request_timeout == 5.0
+    assert settings.election_timeout == 1.0
     assert (settings.ca_cert, settings.cert, settings.key) == (None, None, None)
     assert (settings.username, settings.password) == (None, None)
     assert settings.secure is False
@@ -298,7 +299,7 @@ def test_empty_username_is_refused() -> None:
 # --- Timeouts -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dial_timeout", "request_timeout"])
+@pytest.mark.parametrize("name", ["dial_timeout", "request_timeout", "election_timeout"])
 def test_timeouts_are_floats(name: str) -> None:
     assert getattr(Settings(**{name: 2}), name) == 2.0
     assert type(getattr(Settings(**{name: 2}), name)) is float
@@ -308,7 +309,7 @@ def test_timeouts_are_floats(name: str) -> None:
 @pytest.mark.parametrize(
     "bad", [0, 0.0, -1, -0.5, True, False, "5", None, float("nan"), float("inf")], ids=repr
 )
-@pytest.mark.parametrize("name", ["dial_timeout", "request_timeout"])
+@pytest.mark.parametrize("name", ["dial_timeout", "request_timeout", "election_timeout"])
 def test_bad_timeout_is_refused(name: str, bad: Any) -> None:
     with pytest.raises(ConfigurationError, match=f"^{name} must be a positive number of seconds$"):
         Settings(**{name: bad})
@@ -341,6 +342,7 @@ EVERY_VARIABLE = {
     "DISCOVERY_NAMESPACE",
     "DISCOVERY_DIAL_TIMEOUT",
     "DISCOVERY_REQUEST_TIMEOUT",
+    "DISCOVERY_ELECTION_TIMEOUT",
     "DISCOVERY_ETCD_CA_CERT",
     "DISCOVERY_ETCD_CERT",
     "DISCOVERY_ETCD_KEY",
@@ -358,6 +360,7 @@ def full_environ(tls_files: dict[str, str]) -> dict[str, str]:
         "DISCOVERY_NAMESPACE": "prod",
         "DISCOVERY_DIAL_TIMEOUT": "7.5",
         "DISCOVERY_REQUEST_TIMEOUT": "3",
+        "DISCOVERY_ELECTION_TIMEOUT": "2.5",
         "DISCOVERY_ETCD_CA_CERT": tls_files["ca_cert"],
         "DISCOVERY_ETCD_CERT": tls_files["cert"],
         "DISCOVERY_ETCD_KEY": tls_files["key"],
@@ -377,6 +380,7 @@ def test_from_env_reads_every_variable(tls_files: dict[str, str]) -> None:
     assert settings.endpoints == ("https://etcd-0:2379", "https://etcd-1:2379")
     assert (settings.root, settings.namespace) == ("/org/v2", "prod")
     assert (settings.dial_timeout, settings.request_timeout) == (7.5, 3.0)
+    assert settings.election_timeout == 2.5
     assert (settings.ca_cert, settings.cert, settings.key) == (
         tls_files["ca_cert"],
         tls_files["cert"],
@@ -489,6 +493,7 @@ def test_from_env_with_explicit_environ_ignores_os_environ(monkeypatch: pytest.M
         ("namespace", "staging"),
         ("dial_timeout", 1.5),
         ("request_timeout", 9.0),
+        ("election_timeout", 3.0),
         ("username", "admin"),
         ("password", "override-password"),
         ("allow_insecure_auth", True),
@@ -526,7 +531,7 @@ def test_from_env_none_override_keeps_the_environment_value() -> None:
     assert settings.namespace == "prod"
 
 
-@pytest.mark.parametrize("suffix", ["DIAL_TIMEOUT", "REQUEST_TIMEOUT"])
+@pytest.mark.parametrize("suffix", ["DIAL_TIMEOUT", "REQUEST_TIMEOUT", "ELECTION_TIMEOUT"])
 @pytest.mark.parametrize("raw", ["soon", "5s", "1,5"])
 def test_from_env_non_numeric_timeout_names_the_variable(suffix: str, raw: str) -> None:
     with pytest.raises(

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
 import etcd3
 import pytest
+from prometheus_client import CollectorRegistry
 
 from discovery import (
+    ConfigurationError,
     Connection,
     EndpointEvent,
     EndpointWatcher,
     EtcdUnavailableError,
     EventType,
+    Metrics,
     RoutingTable,
     Settings,
     WatcherHealth,
@@ -361,6 +366,35 @@ def test_compaction_while_disconnected_relists_the_exact_diff(etcd3) -> None:
     conn.close()
 
 
+def test_a_delete_at_the_compaction_revision_is_not_lost(etcd3) -> None:
+    """etcd before 3.5.16 drops the tombstone of a delete made at exactly the compaction
+    revision (etcd-io/etcd#18089): a watch resumed from that revision never sees the delete.
+    The watcher resumes from its last applied revision, so such a compaction sends it to
+    list again instead."""
+    member = etcd3.members[0]
+    lonely = Settings(endpoints=[member.client_url], namespace="tombstone", dial_timeout=10)
+    others = Settings(
+        endpoints=[m.client_url for m in etcd3.members[1:]], namespace="tombstone", dial_timeout=15
+    )
+    conn = Connection(others)
+    k = others.keyspace.key
+    for i in range(2):
+        raw_call(conn, lambda c, i=i: c.put(k(f"e{i}"), _value(i)))
+    with EndpointWatcher(lonely, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
+        table.wait_until(lambda snap: set(snap) == {"e0", "e1"}, timeout=10)
+        applied = watcher.revision
+        member.stop(kill=True)
+        wait_for(lambda: watcher.health().state is WatcherState.RECONNECTING, message="disconnect")
+        deleted = raw_call(conn, lambda c: c.delete(k("e0"), return_response=True))
+        revision = deleted.header.revision
+        assert revision == applied + 1, "the delete is not the watcher's next revision"
+        raw_call(conn, lambda c: c.compact(revision, physical=True))
+        member.start()
+        etcd3.wait_healthy(members=[member])
+        table.wait_until(lambda snap: set(snap) == {"e1"}, timeout=15)
+    conn.close()
+
+
 def test_frozen_etcd_is_detected_by_the_watchdog(etcd) -> None:
     """SIGSTOP keeps TCP open but silent: only the watchdog can notice."""
     settings = Settings(endpoints=etcd.endpoints, namespace="frozen", dial_timeout=10)
@@ -435,3 +469,81 @@ def test_an_empty_table_is_current_at_the_revision_of_its_listing(
         assert len(snapshot) == 0
         assert snapshot.revision == watcher.health().revision == table.revision == before
         table.stop()
+
+
+def test_without_a_leader_the_watcher_serves_its_last_table_and_says_it_is_stale(
+    etcd3, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Quorum lost (two of three members killed): fail-static, and stale in every view.
+
+    tests/test_partitions.py shows the same for a member cut off by a real partition.
+    """
+    caplog.set_level(logging.INFO, logger="discovery")
+    survivor, *others = etcd3.members
+    settings = Settings(endpoints=[survivor.client_url], namespace="quorum", dial_timeout=10)
+    prefix = settings.keyspace.prefix
+    registry = CollectorRegistry()
+    client = _raw(settings)
+    for i in range(2):
+        client.put(settings.keyspace.key(f"e{i}"), _value(i))
+    with (
+        EndpointWatcher(settings, metrics=Metrics(registry)) as watcher,
+        RoutingTable(watcher) as table,
+    ):
+        before = table.wait_until(lambda snap: len(snap) == 2, timeout=10)
+        assert not before.stale and before.staleness < watcher.health().stale_after
+        assert registry.get_sample_value("discovery_watcher_stale", {"prefix": prefix}) == 0
+        for member in others:
+            member.stop(kill=True)
+        wait_for(
+            lambda: watcher.health().stale and "is stale" in caplog.text,
+            timeout=20,
+            message="the watcher to call itself stale, and log it",
+        )
+        health = watcher.health()
+        assert health.staleness > health.stale_after
+        assert "no leader" in (health.last_error or "")
+        reconnects = {"prefix": prefix, "cause": "no_leader"}
+        assert registry.get_sample_value("discovery_watcher_reconnects_total", reconnects) >= 1
+        assert registry.get_sample_value("discovery_watcher_stale", {"prefix": prefix}) == 1
+        snapshot = table.snapshot()
+        assert snapshot.stale and dict(snapshot) == dict(before)  # the last table, kept
+        assert before.stale  # a snapshot held from before the loss grew stale too
+        for member in others:
+            member.start()
+        etcd3.wait_healthy()
+        wait_for(lambda: not watcher.health().stale, timeout=15, message="current again")
+        assert "is current again" in caplog.text
+        assert not table.snapshot().stale
+    client.close()
+
+
+def test_a_quiet_watch_stays_current_through_progress_requests(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing changes under the prefix: answered progress requests keep the proof fresh."""
+    caplog.set_level(logging.INFO, logger="discovery")
+    with (
+        EndpointWatcher(settings, progress_interval=0.3, stale_after=2.0) as watcher,
+        RoutingTable(watcher) as table,
+    ):
+        first = table.snapshot()
+        started, worst = time.monotonic(), 0.0
+
+        def watched_long_enough() -> bool:
+            nonlocal worst
+            worst = max(worst, watcher.health().staleness)
+            return time.monotonic() - started > 2.5 * 2.0
+
+        wait_for(watched_long_enough, timeout=30, message="a quiet spell of 2.5 thresholds")
+        assert worst < 2.0 and not watcher.health().stale
+        # Proofs do not make new snapshots: a router re-indexes only when the content changes.
+        assert table.snapshot() is first and first.staleness < 2.0
+    assert "is stale" not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["progress_interval", "stale_after"])
+@pytest.mark.parametrize("bad", [0, -1, "1", True, float("nan")], ids=repr)
+def test_bad_staleness_settings_are_refused(name: str, bad: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{name} must be a positive number of seconds"):
+        EndpointWatcher(Settings(), **{name: bad})

@@ -39,6 +39,11 @@ _SETTINGS_FLAGS = {
     "namespace": ("--namespace", "namespace ($DISCOVERY_NAMESPACE, default 'default')"),
     "dial_timeout": ("--dial-timeout", "seconds ($DISCOVERY_DIAL_TIMEOUT)"),
     "request_timeout": ("--request-timeout", "($DISCOVERY_REQUEST_TIMEOUT)"),
+    "election_timeout": (
+        "--election-timeout",
+        "etcd's election timeout in seconds: when a watcher counts as stale "
+        "($DISCOVERY_ELECTION_TIMEOUT, default 1)",
+    ),
     "ca_cert": ("--ca-cert", "CA bundle file ($DISCOVERY_ETCD_CA_CERT)"),
     "cert": ("--cert", "client certificate file ($DISCOVERY_ETCD_CERT)"),
     "key": ("--key", "client key file ($DISCOVERY_ETCD_KEY)"),
@@ -54,7 +59,7 @@ _SETTINGS_FLAGS = {
         "($DISCOVERY_ALLOW_INSECURE_AUTH; refused without it)",
     ),
 }
-_FLOAT_SETTINGS = ("dial_timeout", "request_timeout")
+_FLOAT_SETTINGS = ("dial_timeout", "request_timeout", "election_timeout")
 _SWITCH_SETTINGS = ("allow_insecure_auth",)
 
 
