@@ -4,7 +4,14 @@ Engines register an ``InferenceEngineEndpoint`` under a lease; routers watch the
 into a live ``RoutingTable``. See README.md for the key layout and the guarantees.
 """
 
-from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, MAX_VALUE_BYTES, EngineRecord, KeySpace
+from ._codec import (
+    DEFAULT_NAMESPACE,
+    DEFAULT_ROOT,
+    MAX_VALUE_BYTES,
+    EngineRecord,
+    EngineStatus,
+    KeySpace,
+)
 from ._connection import Connection
 from ._endpoint import (
     InferenceEngineCapabilities,
@@ -24,18 +31,19 @@ from ._errors import (
     RecordDecodeError,
 )
 from ._metrics import Metrics, MetricsHooks
+from ._operators import deregister, drain, undrain
 from ._registration import (
     Registration,
     RegistrationHealth,
     RegistrationState,
     aregister_engine,
     default_engine_id,
-    deregister,
     register_dynamic_engine,
     register_engine,
 )
 from ._router import PickHandle, Router, RoutingPolicy
 from ._routing import RoutingTable, watch_table
+from ._session import Session
 from ._settings import Settings
 from ._signals import deregister_on_signals
 from ._store import EndpointEvent, EventType, RoutingSnapshot
@@ -63,6 +71,7 @@ __all__ = [
     "EngineConflictError",
     "EngineListing",
     "EngineRecord",
+    "EngineStatus",
     "EtcdError",
     "EtcdUnavailableError",
     "EventType",
@@ -85,6 +94,7 @@ __all__ = [
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",
+    "Session",
     "Settings",
     "WatcherHealth",
     "WatcherState",
@@ -93,8 +103,10 @@ __all__ = [
     "default_engine_id",
     "deregister",
     "deregister_on_signals",
+    "drain",
     "list_engines",
     "register_dynamic_engine",
     "register_engine",
+    "undrain",
     "watch_table",
 ]

@@ -3,11 +3,13 @@
 Layout: one key per engine, ``{root}/{namespace}/engines/{engine_id}``, default root
 ``/inference/v1``, default namespace ``default``. The value is compact UTF-8 JSON:
 exactly ``InferenceEngineEndpoint.to_dict()`` plus optional top-level metadata
-(``engine_id``, ``labels``, ``registered_at``) that Megatron's ``from_dict`` ignores.
+(``engine_id``, ``labels``, ``registered_at``, ``status``, ``drain_deadline``) that
+Megatron's ``from_dict`` ignores. A value without ``status`` is ``ready``.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Mapping
@@ -24,6 +26,7 @@ __all__ = [
     "DEFAULT_ROOT",
     "MAX_VALUE_BYTES",
     "EngineRecord",
+    "EngineStatus",
     "KeySpace",
 ]
 
@@ -129,14 +132,43 @@ class KeySpace:
         return decode(text_key, value, self.engine_id(text_key))
 
 
+class EngineStatus(enum.StrEnum):
+    """What routers may do with an engine (the ``status`` of its record).
+
+    Routers pick only ``ready`` engines by default. A value without ``status`` is ``ready``.
+    """
+
+    STARTING = "starting"
+    """Registered (visible to operators) but not taking requests yet."""
+    READY = "ready"
+    """Taking new requests."""
+    DRAINING = "draining"
+    """Finishing the requests it has, taking no new ones; leaves at ``drain_deadline``."""
+
+
+def validate_status(status: object) -> EngineStatus:
+    """Return ``status`` as an EngineStatus, or raise InvalidRecordError naming it."""
+    try:
+        return EngineStatus(status)  # type: ignore[arg-type]  # anything: refused below
+    except ValueError:
+        names = ", ".join(s.value for s in EngineStatus)
+        raise InvalidRecordError(f"status {status!r} is not one of {names}") from None
+
+
 @dataclass(frozen=True)
 class EngineRecord:
-    """One engine as stored in etcd: its id, endpoint, labels and registration time."""
+    """One engine as stored in etcd: id, endpoint, labels, registration time and status.
+
+    ``drain_deadline`` (UTC) is when a ``draining`` engine leaves; None means it drains
+    until someone undrains or removes it. Only a draining record may carry one.
+    """
 
     engine_id: str
     endpoint: InferenceEngineEndpoint
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     registered_at: datetime | None = None
+    status: EngineStatus = EngineStatus.READY
+    drain_deadline: datetime | None = None
 
     def __post_init__(self) -> None:
         """Validate the metadata; the endpoint validates itself."""
@@ -146,6 +178,21 @@ class EngineRecord:
         object.__setattr__(self, "labels", validate_labels(self.labels))
         if self.registered_at is not None and not isinstance(self.registered_at, datetime):
             raise InvalidRecordError("registered_at must be a datetime")
+        object.__setattr__(self, "status", validate_status(self.status))
+        deadline = self.drain_deadline
+        if deadline is not None:
+            if not isinstance(deadline, datetime) or deadline.tzinfo is None:
+                raise InvalidRecordError("drain_deadline must be a timezone-aware datetime")
+            if self.status is not EngineStatus.DRAINING:
+                raise InvalidRecordError(
+                    f"drain_deadline is only allowed on a draining record, not {self.status}"
+                )
+            object.__setattr__(self, "drain_deadline", deadline.astimezone(UTC))
+
+    @property
+    def ready(self) -> bool:
+        """Whether routers pick this engine by default (status ``ready``)."""
+        return self.status is EngineStatus.READY
 
     def matches(self, selector: Mapping[str, str] | None) -> bool:
         """Whether every ``key: value`` of ``selector`` is among this record's labels."""
@@ -159,6 +206,9 @@ class EngineRecord:
             value["labels"] = dict(self.labels)
         if self.registered_at is not None:
             value["registered_at"] = _format_time(self.registered_at)
+        value["status"] = self.status.value
+        if self.drain_deadline is not None:
+            value["drain_deadline"] = _format_time(self.drain_deadline)
         return value
 
 
@@ -182,6 +232,11 @@ class RecordView:
     def labels(self) -> Mapping[str, str]:
         """The engine's labels."""
         return self.record.labels
+
+    @property
+    def status(self) -> EngineStatus:
+        """The engine's status: starting, ready or draining."""
+        return self.record.status
 
 
 def encode(record: EngineRecord) -> bytes:
@@ -217,12 +272,15 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     if stored_id != engine_id:
         raise RecordDecodeError(key, f"engine_id {stored_id!r} does not match the key")
     labels = obj.get("labels")  # null means none; false, [] or "" are bad labels
+    status = obj.get("status")  # absent (every older value, bare Megatron values): ready
     try:
         return EngineRecord(
             engine_id=engine_id,
             endpoint=endpoint,
             labels=MappingProxyType({}) if labels is None else labels,
-            registered_at=_parse_time(obj.get("registered_at")),
+            registered_at=_parse_time(obj.get("registered_at"), "registered_at"),
+            status=EngineStatus.READY if status is None else validate_status(status),
+            drain_deadline=_parse_time(obj.get("drain_deadline"), "drain_deadline"),
         )
     except (InvalidRecordError, ValueError, TypeError) as exc:
         raise RecordDecodeError(key, str(exc)) from exc
@@ -232,9 +290,9 @@ def _format_time(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _parse_time(text: object) -> datetime | None:
+def _parse_time(text: object, name: str) -> datetime | None:
     if text is None:
         return None
     if not isinstance(text, str):
-        raise ValueError(f"registered_at must be an ISO 8601 string, not {type(text).__name__}")
+        raise ValueError(f"{name} must be an ISO 8601 string, not {type(text).__name__}")
     return datetime.fromisoformat(text)

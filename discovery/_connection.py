@@ -40,6 +40,7 @@ import etcd3
 import etcd3.exceptions as etcd3_exc
 import grpc
 from etcd3 import etcdrpc
+from etcd3.transactions import BaseCompare, Txn
 from etcd3.utils import prefix_range_end
 from tenacity import (
     RetryCallState,
@@ -59,9 +60,12 @@ from ._errors import (
     PermissionDeniedError,
 )
 from ._port import (
+    MAX_BATCH,
     PAGE_SIZE,
     Compacted,
     KeyValue,
+    LeaseGone,
+    LeaseInfo,
     PutResult,
     StreamSilentError,
     WatchEvent,
@@ -167,6 +171,8 @@ def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryErr
         return PermissionDeniedError(f"etcd refused the request: {what}")
     if isinstance(exc, _TokenExpired):
         return _TokenRejected("etcd rejected the auth token; authenticating again", what)
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in what:
+        return LeaseGone(f"etcd refused the write: {what}", "lease not found")
     if is_transient(exc):
         where = ", ".join(endpoints) or "etcd"
         hint = ""
@@ -196,6 +202,14 @@ def _log_retry(state: RetryCallState) -> None:
 
 def _key_value(kv: Any) -> KeyValue:
     return KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+
+
+class _LeaseCompare(BaseCompare):  # type: ignore[misc]
+    """``lease(key) == id``: the lease a key is bound to (python3-etcd3 has no helper)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = etcdrpc.Compare.LEASE
+        compare.lease = int(self.value)
 
 
 class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
@@ -426,6 +440,11 @@ class Connection:
         """The lease's remaining TTL in seconds; <= 0 when it no longer exists."""
         return int(self._attempt(lambda c: c.get_lease_info(lease_id).TTL))
 
+    def lease_info(self, lease_id: int) -> LeaseInfo:
+        """The lease's remaining TTL (<= 0 when gone) and the keys bound to it."""
+        info = self._attempt(lambda c: c.get_lease_info(lease_id))
+        return LeaseInfo(int(info.TTL), tuple(info.keys))
+
     def revoke(self, lease_id: int) -> None:
         """Revoke a lease; one that no longer exists (it expired) is revoked already."""
 
@@ -482,9 +501,52 @@ class Connection:
 
         return self._attempt(transact)
 
+    def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
+        """Create each absent key on ``lease_id`` in one transaction of nested ones."""
+        if len(items) > MAX_BATCH:
+            raise ValueError(f"at most {MAX_BATCH} keys per batch, got {len(items)}")
+
+        def transact(client: _Client) -> list[PutResult]:
+            txn = client.transactions
+            ops = [
+                Txn(
+                    compare=[txn.version(key) == 0],
+                    success=[txn.put(key, value, lease_id)],
+                    failure=[txn.get(key)],
+                )
+                for key, value in items
+            ]
+            _, responses = client.transaction(compare=[], success=ops, failure=[])
+            results = []
+            for response in responses:
+                nested = response.response_txn
+                op = nested.responses[0]
+                if nested.succeeded:
+                    results.append(PutResult(True, op.response_put.header.revision, None))
+                else:
+                    found = op.response_range
+                    current = _key_value(found.kvs[0]) if found.kvs else None
+                    results.append(PutResult(False, found.header.revision, current))
+            return results
+
+        return self._attempt(transact)
+
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
         return bool(self._attempt(lambda c: c.delete(key)))
+
+    def delete_owned(self, key: str, lease_id: int) -> bool:
+        """Delete ``key`` only if it is bound to ``lease_id``."""
+
+        def transact(client: _Client) -> bool:
+            ok, _ = client.transaction(
+                compare=[_LeaseCompare(key) == lease_id],
+                success=[client.transactions.delete(key)],
+                failure=[],
+            )
+            return bool(ok)
+
+        return self._attempt(transact)
 
     # -- streams --------------------------------------------------------------------------
 

@@ -34,8 +34,8 @@ def test_list_json_and_table(settings: Settings) -> None:
         table = run_cli(settings, "list")
         assert table.returncode == 0
         lines = table.stdout.splitlines()
-        assert lines[0].split()[:2] == ["ENGINE", "ADDRESS"]
-        assert any(line.startswith("a ") and "role=decode" in line for line in lines)
+        assert lines[0].split()[:3] == ["ENGINE", "STATUS", "ADDRESS"]
+        assert any(line.split()[:2] == ["a", "ready"] and "role=decode" in line for line in lines)
         assert lines[-1] == "(2 engines)"
 
 

@@ -251,6 +251,7 @@ def test_value_is_compact_json_of_to_dict_plus_metadata() -> None:
         "engine_id": "engine-1",
         "labels": {"model": "llama-70b", "zone": "us-east-1a"},
         "registered_at": "2024-05-06T07:08:09.123Z",
+        "status": "ready",
     }
     data = encode(record)
     assert data == json.dumps(expected, separators=(",", ":")).encode()
@@ -274,7 +275,11 @@ def test_value_writes_the_policy_value_string(policy: Policy | None) -> None:
 
 def test_value_omits_empty_labels_and_missing_registered_at() -> None:
     value = json.loads(encode(make_record(labels={}, registered_at=None)))
-    assert value == {**json.loads(json.dumps(make_endpoint().to_dict())), "engine_id": "engine-1"}
+    assert value == {
+        **json.loads(json.dumps(make_endpoint().to_dict())),
+        "engine_id": "engine-1",
+        "status": "ready",
+    }
 
 
 def test_registered_at_is_written_in_utc_with_milliseconds() -> None:

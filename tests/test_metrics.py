@@ -74,13 +74,15 @@ def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
     prefix = settings.keyspace.prefix
     with watch_table(settings, metrics=Metrics(registry)) as table:
         assert _value(registry, "discovery_watcher_connected", prefix=prefix) == 1
-        assert _value(registry, "discovery_routing_engines", selector="") == 0
+        assert _value(registry, "discovery_routing_engines", selector="", status="ready") == 0
         registrar = Registrar(settings, "doomed", ttl=2)
         try:
             table.wait_until(lambda snap: "doomed" in snap, timeout=10)
             events = "discovery_watcher_events_total"
             assert _value(registry, events, prefix=prefix, type="added") == 1
-            assert _value(registry, "discovery_routing_engines", selector="") == 1
+            engines = "discovery_routing_engines"
+            assert _value(registry, engines, selector="", status="ready") == 1
+            assert _value(registry, engines, selector="", status="draining") == 0
             registrar.signal(9)
             table.wait_until(lambda snap: "doomed" not in snap, timeout=2 + 2)
             assert _value(registry, events, prefix=prefix, type="removed") == 1

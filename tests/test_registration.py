@@ -549,7 +549,7 @@ def test_a_failing_keeper_turn_does_not_stop_keepalives(
     settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with register_engine(make_endpoint(), engine_id="bug", ttl=3, settings=settings) as reg:
-        original = type(reg)._keepalive
+        original = type(reg.session)._keepalive
         failures = []
 
         def broken_once(self, keeper, now):
@@ -558,7 +558,7 @@ def test_a_failing_keeper_turn_does_not_stop_keepalives(
                 raise RuntimeError("injected bug")
             return original(self, keeper, now)
 
-        monkeypatch.setattr(type(reg), "_keepalive", broken_once)
+        monkeypatch.setattr(type(reg.session), "_keepalive", broken_once)
         wait_for(lambda: failures, message="the injected failure")
         seen = reg.health().last_keepalive
         wait_for(lambda: reg.health().last_keepalive != seen, timeout=5, message="keepalives again")
