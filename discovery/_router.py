@@ -7,6 +7,11 @@ the table dropped is never picked again, by any policy. Picks never touch etcd a
 block on I/O; ``pick()`` and ``release()`` are thread-safe (one lock) and cheap enough to
 call from an asyncio event loop.
 
+**Status, before anything else.** Only engines whose record status is among the router's
+``statuses`` (default: ``ready``) are candidates: a ``starting`` engine takes nothing yet,
+a ``draining`` one nothing new. A handle already held on an engine that starts draining
+stays valid and releases normally (its in-flight count stays visible in ``in_flight()``).
+
 **Filters, before any policy.** The router's ``selector`` and the per-call ``selector``
 (both must hold: every ``key: value`` among the engine's labels), then fit:
 ``len(prompt_tokens) + max_tokens <= context_length``. When nothing is left the pick raises
@@ -70,7 +75,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from types import MappingProxyType
 
-from ._codec import EngineRecord, RecordView
+from ._codec import EngineRecord, EngineStatus, RecordView, validate_status
 from ._errors import NoEngineAvailableError
 from ._metrics import NO_METRICS, MetricsHooks
 from ._routing import RoutingTable
@@ -316,8 +321,10 @@ class Router:
     ``policy`` is a ``RoutingPolicy`` or its name; ``selector`` restricts every pick to
     engines carrying those labels; ``load_gap`` is the utilisation gap past which
     ``longest_prefix`` load-balances; ``prefix_index_blocks`` bounds the longest-prefix
-    index per engine. The table must be started (or fed) separately; the router owns no
-    thread and needs no closing. ``metrics`` counts picks and exports in-flight requests.
+    index per engine; ``statuses`` are the record statuses a candidate may have (default
+    ``ready`` only; add ``starting`` for a warm-up client, say). The table must be started
+    (or fed) separately; the router owns no thread and needs no closing. ``metrics``
+    counts picks and exports in-flight requests.
     """
 
     def __init__(
@@ -328,6 +335,7 @@ class Router:
         selector: Mapping[str, str] | None = None,
         load_gap: float = DEFAULT_LOAD_GAP,
         prefix_index_blocks: int = DEFAULT_PREFIX_INDEX_BLOCKS,
+        statuses: Iterable[EngineStatus | str] = (EngineStatus.READY,),
         metrics: MetricsHooks | None = None,
     ) -> None:
         try:
@@ -346,6 +354,7 @@ class Router:
         if metrics is not None:
             metrics.observe_router(self)
         self._selector = MappingProxyType(dict(selector or {}))
+        self._statuses = frozenset(validate_status(status) for status in statuses)
         self._load_gap = float(load_gap)
         self._index_blocks = prefix_index_blocks
         self._lock = threading.Lock()
@@ -443,7 +452,9 @@ class Router:
         for engine_id in self._engines.keys() - engines.keys():
             # Its handles still release, into the now detached _Engine they hold.
             self._index.forget(engine_id)
-        ordered = sorted(engines.values(), key=lambda e: (-e.context_length, e.engine_id))
+        # Engines of other statuses stay known (their in-flight counts) but are no candidates.
+        candidates = (e for e in engines.values() if e.record.status in self._statuses)
+        ordered = sorted(candidates, key=lambda e: (-e.context_length, e.engine_id))
         self._engines = engines
         self._ordered = tuple(ordered)
         self._neg_context = [-e.context_length for e in ordered]
@@ -487,6 +498,15 @@ class Router:
             return NoEngineAvailableError(
                 f"none of the {total} engines in the table carries the router's labels "
                 f"{dict(self._selector)}"
+            )
+        if not self._ordered:
+            seen: dict[str, int] = {}
+            for engine in self._engines.values():
+                seen[engine.record.status] = seen.get(engine.record.status, 0) + 1
+            return NoEngineAvailableError(
+                f"none of the {len(self._engines)} engines the router sees is "
+                f"{' or '.join(sorted(self._statuses))} "
+                f"({', '.join(f'{n} {status}' for status, n in sorted(seen.items()))})"
             )
         matching = [e for e in self._ordered if e.record.matches(selector)]
         if not matching:
