@@ -521,19 +521,21 @@ def test_a_short_stall_loses_no_registration_of_many(etcd, private_settings: Set
 
 def test_mass_loss_settles_with_one_rewrite_each(etcd, private_settings: Settings) -> None:
     """After a stall longer than the TTL every lease is gone: each engine registers once
-    more, and keepalives of the others never starve behind the re-registrations."""
+    more, and keepalives of the others never starve behind the re-registrations (no
+    cascade of second losses). How fast it settles is measured in bench/bench_sessions.py;
+    the deadlines here only bound a hang, on a loaded machine."""
     conn, regs = _many(private_settings, 2000, ttl=3)
     try:
         _stall(etcd, 4.0, regs)
-        wait_for(lambda: all(r.health().losses >= 1 for r in regs), timeout=8, message="losses")
+        wait_for(lambda: all(r.health().losses >= 1 for r in regs), timeout=60, message="losses")
         wait_for(
             lambda: all(r.state is RegistrationState.REGISTERED for r in regs),
-            timeout=10,
+            timeout=120,
             message="all registered again",
         )
         settled = time.monotonic()
         # Over two more TTLs nothing is lost again: no cascade.
-        wait_for(lambda: time.monotonic() - settled > 2 * 3, timeout=8, message="two TTLs")
+        wait_for(lambda: time.monotonic() - settled > 2 * 3, timeout=60, message="two TTLs")
         assert [r.health().losses for r in regs] == [1] * len(regs)
         keys = etcdctl(
             etcd.endpoints, "get", "--prefix", "--keys-only", private_settings.keyspace.prefix
