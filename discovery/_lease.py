@@ -88,8 +88,9 @@ class LeaseKeeper:
             if self._stopped:
                 return
             self._due[item] = at
+            if not self._heap or at < self._heap[0][0]:
+                self._cond.notify()  # else the thread wakes early enough anyway
             heapq.heappush(self._heap, (at, next(self._seq), item))
-            self._cond.notify()
 
     def cancel(self, item: Timed) -> None:
         """Forget ``item``'s scheduled turn."""

@@ -321,10 +321,13 @@ class Registration:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def _start(self, *, replace: bool) -> None:
-        """Write the record (retrying until settings.dial_timeout), then watch its key."""
+    def _start(self, value: bytes, *, replace: bool) -> None:
+        """Write the record (``value``: its encoding) then watch its key.
+
+        Retries until settings.dial_timeout.
+        """
         try:
-            self._conn.call(lambda: self._write_first(replace=replace))
+            self._conn.call(lambda: self._write_first(value, replace=replace))
         except BaseException:
             self._session._leave(self)
             self._fire(_Event.CLOSE)
@@ -335,17 +338,15 @@ class Registration:
         record_watch_for(self._conn, self.key if alone else None).add(self, self._mod_revision)
         self._status_changed()
 
-    def _write_first(self, *, replace: bool) -> None:
+    def _write_first(self, value: bytes, *, replace: bool) -> None:
         lease_id = self._session._join(self)
-        record = _stamped(self._record)
         try:
-            revision = self._put(lease_id, encode(record), replace=replace)
+            revision = self._put(lease_id, value, replace=replace)
         except LeaseGone:
             self._session._lease_gone(lease_id)
             raise
         with self._lock:
             self._lease_id = lease_id
-            self._record = record
             self._mod_revision = revision
             self._dirty = self._own_status = False
             self._registrations += 1
@@ -651,9 +652,10 @@ def register_engine(
         engine_id=default_engine_id() if engine_id is None else validate_engine_id(engine_id),
         endpoint=endpoint,
         labels=labels or {},
+        registered_at=datetime.now(UTC),
         status=validate_status(status),
     )
-    encode(record)  # size limit
+    value = encode(record)  # refuses an oversized record before anything is written
     private = session is None
     if session is None:
         session = Session(
@@ -668,7 +670,7 @@ def register_engine(
         )
     registration = Registration(record, session=session, private=private, metrics=metrics)
     try:
-        registration._start(replace=replace)
+        registration._start(value, replace=replace)
     except BaseException:
         if private:
             session.close(timeout=0)
