@@ -24,6 +24,7 @@ BENCHMARKS = {
     "scale": ([], ["--sizes", "1000,3000", "--window", "10", "--watchers", "2"]),
     "churn": ([], ["--seconds", "5"]),
     "codec": ([], ["--records", "2000"]),
+    "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
 }
 PLOT = BENCH / "latency.png"
 

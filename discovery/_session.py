@@ -37,8 +37,9 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ._codec import EngineRecord
 from ._connection import Connection
 from ._errors import (
     ClosedError,
@@ -52,9 +53,6 @@ from ._metrics import NO_METRICS, MetricsHooks
 from ._port import MAX_BATCH, EtcdPort, KeepAliveStream, LeaseGone, PutResult, explain
 from ._settings import Settings
 
-if TYPE_CHECKING:
-    from ._registration import Registration
-
 __all__ = ["Session"]
 
 log = logging.getLogger(__name__)
@@ -67,6 +65,26 @@ class _State(enum.Enum):
     ALIVE = "alive"
     LOST = "lost"
     CLOSED = "closed"
+
+
+class _Member(Protocol):
+    """A registration, as its session sees it (``_registration.Registration``)."""
+
+    key: str
+    _retry_at: float
+
+    @property
+    def engine_id(self) -> str: ...
+
+    def _prepare_write(self) -> tuple[EngineRecord, bytes] | None: ...
+
+    def _written(self, lease_id: int, record: EngineRecord, result: PutResult) -> bool: ...
+
+    def _lease_lost(self, reason: str) -> None: ...
+
+    def _session_closed(self) -> None: ...
+
+    def _publish_now(self) -> None: ...
 
 
 def check_ttl(ttl: object) -> int:
@@ -109,9 +127,9 @@ class Session:
         self._deadline = 0.0
         self._awaiting: float | None = None  # when the unanswered keepalive went out
         self._awaiting_on: KeepAliveStream | None = None  # ...and on which stream
-        self._members: dict[str, Registration] = {}
-        self._unwritten: set[Registration] = set()  # records to write again
-        self._unpublished: set[Registration] = set()  # changes to publish when etcd answers
+        self._members: dict[str, _Member] = {}
+        self._unwritten: set[_Member] = set()  # records to write again
+        self._unpublished: set[_Member] = set()  # changes to publish when etcd answers
         self._repairing = False
         self._retry_delay = _RETRY_MIN
         self._losses = 0
@@ -153,11 +171,6 @@ class Session:
     def last_keepalive(self) -> datetime | None:
         """When etcd last answered a keepalive of the lease."""
         return self._last_keepalive
-
-    def registrations(self) -> list[Registration]:
-        """The live registrations on this session."""
-        with self._lock:
-            return list(self._members.values())
 
     def close(self, timeout: float | None = None) -> None:
         """Revoke the lease (every member's key goes) and close every member. Idempotent.
@@ -210,7 +223,7 @@ class Session:
 
     # -- members (called by Registration) -------------------------------------------------
 
-    def _join(self, member: Registration) -> int:
+    def _join(self, member: _Member) -> int:
         """Reserve ``member.key`` in the session; the lease to write it on.
 
         Raises EngineConflictError when another live member holds the key, ClosedError
@@ -230,7 +243,7 @@ class Session:
                 raise EtcdUnavailableError("the session's lease is lost; repairing", "lease lost")
             return self._lease_id
 
-    def _leave(self, member: Registration) -> None:
+    def _leave(self, member: _Member) -> None:
         with self._lock:
             if self._members.get(member.key) is member:
                 del self._members[member.key]
@@ -242,7 +255,7 @@ class Session:
         if lease_id == self._lease_id:
             self._lose(f"lease {lease_id:016x} no longer exists (expired or revoked)")
 
-    def _rewrite(self, member: Registration) -> None:
+    def _rewrite(self, member: _Member) -> None:
         """Write ``member``'s record again (it was deleted or taken while the lease lives)."""
         with self._lock:
             if self._state is _State.CLOSED or member.key not in self._members:
@@ -250,7 +263,7 @@ class Session:
             self._unwritten.add(member)
         self._start_repair()
 
-    def _publish_later(self, member: Registration) -> None:
+    def _publish_later(self, member: _Member) -> None:
         """Publish ``member``'s change once etcd answers again."""
         with self._lock:
             if self._state is not _State.CLOSED:
@@ -461,7 +474,7 @@ class Session:
             member._publish_now()
 
 
-def _chunks(items: Sequence[Registration], size: int) -> Iterable[Sequence[Registration]]:
+def _chunks(items: Sequence[_Member], size: int) -> Iterable[Sequence[_Member]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
 

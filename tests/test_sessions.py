@@ -47,9 +47,6 @@ def test_registrations_share_the_session_lease_and_one_keepalive(settings: Setti
         wait_for(lambda: session.last_keepalive != first, timeout=5, message="a keepalive")
         wait_for(lambda: regs[0].health().last_keepalive == session.last_keepalive)
         assert all(r.state is RegistrationState.REGISTERED for r in regs)
-        assert sorted(session.registrations(), key=lambda r: r.key) == sorted(
-            regs, key=lambda r: r.key
-        )
 
         regs[0].close()  # a member leaves: its key only
         assert get_kv(settings.endpoints, regs[0].key) is None
