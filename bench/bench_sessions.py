@@ -94,6 +94,16 @@ def register_many(conn: Connection, count: int, ttl: int, session: Session | Non
         return list(pool.map(one, range(count)))
 
 
+def close_all(conn: Connection, session: Session | None, regs: list) -> None:
+    """Revoke every registration (one revoke with a session), then the connection."""
+    if session is not None:
+        session.close()
+    else:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda r: r.close(), regs))
+    conn.close()
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, step: float = 0.01) -> float:
     """Seconds until ``condition`` held (polled every ``step``); raise after ``timeout``."""
     t0 = time.monotonic()
@@ -142,12 +152,7 @@ def mass_loss(count: int, ttl: int, stall: float, shared: bool, burn: int) -> di
                 "load": os.getloadavg()[0],
             }
         finally:
-            if session is not None:
-                session.close()
-            else:
-                with ThreadPoolExecutor(8) as pool:
-                    list(pool.map(lambda r: r.close(), regs))
-            conn.close()
+            close_all(conn, session, regs)
 
 
 def keepalive_cost(sizes: list[int], ttl: int) -> list[dict]:
@@ -189,12 +194,7 @@ def keepalive_cost(sizes: list[int], ttl: int) -> list[dict]:
                     }
                 )
                 print(rows[-1], flush=True)
-                if session is not None:
-                    session.close()
-                else:
-                    with ThreadPoolExecutor(8) as pool:
-                        list(pool.map(lambda r: r.close(), regs))
-                conn.close()
+                close_all(conn, session, regs)
     lease_module.LeaseKeeper.send_keepalive = original
     return rows
 

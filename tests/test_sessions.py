@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
 import threading
-import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,7 +20,7 @@ from discovery import (
     register_engine,
 )
 
-from .helpers import etcdctl, get_kv, make_endpoint, wait_for
+from .helpers import etcdctl, get_kv, losses_after_a_mass_loss, make_endpoint, wait_for
 
 
 def _lease_keys(settings: Settings, lease_id: int) -> list[str]:
@@ -151,22 +148,7 @@ def test_mass_loss_with_a_session_is_one_grant_and_one_loss_each(
                 )
             )
         old = session.lease_id
-        process = etcd.members[0].process
-        process.send_signal(signal.SIGSTOP)
-        try:
-            stalled = time.monotonic()
-            wait_for(lambda: time.monotonic() - stalled >= 4.0, timeout=5, message="the stall")
-        finally:
-            process.send_signal(signal.SIGCONT)
-        wait_for(lambda: all(r.health().losses >= 1 for r in regs), timeout=60, message="losses")
-        wait_for(
-            lambda: all(r.state is RegistrationState.REGISTERED for r in regs),
-            timeout=60,
-            message="all registered again",
-        )
-        settled = time.monotonic()
-        wait_for(lambda: time.monotonic() - settled > 2 * 3, timeout=60, message="two TTLs")
-        losses = Counter(r.health().losses for r in regs)
+        losses = losses_after_a_mass_loss(etcd, regs, ttl=3)
         assert losses == {1: len(regs)}, losses
         assert session.lease_id != old and {r.lease_id for r in regs} == {session.lease_id}
         assert len(_lease_keys(private_settings, session.lease_id)) == 2000
