@@ -82,10 +82,16 @@ class LeaseKeeper:
 
     # -- timed turns ---------------------------------------------------------------------
 
-    def schedule(self, item: Timed, at: float) -> None:
-        """Run ``item.turn`` at monotonic time ``at`` (replacing an earlier schedule)."""
+    def schedule(self, item: Timed, at: float, *, sooner_only: bool = False) -> None:
+        """Run ``item.turn`` at monotonic time ``at``, replacing its pending turn.
+
+        With ``sooner_only``, a pending turn that comes earlier is kept.
+        """
         with self._cond:
             if self._stopped:
+                return
+            pending = self._due.get(item)
+            if sooner_only and pending is not None and pending <= at:
                 return
             self._due[item] = at
             if not self._heap or at < self._heap[0][0]:

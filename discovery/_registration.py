@@ -178,6 +178,7 @@ class Registration:
         self._losses = 0
         self._last_error: str | None = None
         self._keeper: LeaseKeeper = session._keeper
+        self._closed = threading.Event()  # set once close() has removed the record
 
     # -- public view ------------------------------------------------------------------
 
@@ -331,6 +332,7 @@ class Registration:
         except BaseException:
             self._session._leave(self)
             self._fire(_Event.CLOSE)
+            self._closed.set()
             raise
         # A connection of our own serves this one key: watch only it (etcd then sends us
         # nothing about other engines); a shared connection watches the namespace.
@@ -361,7 +363,14 @@ class Registration:
         the TTL (on a shared session, when the session ends).
         """
         if not self._fire(_Event.CLOSE):
+            self._closed.wait(timeout)  # another thread (a drain deadline) is closing it
             return
+        try:
+            self._remove(timeout)
+        finally:
+            self._closed.set()
+
+    def _remove(self, timeout: float | None) -> None:
         self._keeper.cancel(self)
         record_watch_for(self._conn, None).remove(self)
         if self._private:
@@ -561,6 +570,7 @@ class Registration:
         if self._fire(_Event.CLOSE):
             self._keeper.cancel(self)
             record_watch_for(self._conn, None).remove(self)
+            self._closed.set()  # the session's revoke removes the record
 
     def observed(self, kv: KeyValue | None, revision: int) -> None:
         """The record watch saw our key change at ``revision`` (``kv`` None: deleted)."""

@@ -389,13 +389,14 @@ class Session:
                     self._lease_gone(self._lease_id)
                 elif not isinstance(exc, EtcdUnavailableError):
                     log.warning("cannot repair lease %016x: %s", self._lease_id or 0, reason)
-                keeper.schedule(self, time.monotonic() + random.uniform(delay / 2, delay))
+                at = time.monotonic() + random.uniform(delay / 2, delay)
+                keeper.schedule(self, at, sooner_only=True)  # never later than a keepalive
                 return
             with self._lock:
                 self._retry_delay = _RETRY_MIN
                 retry_at = min((m._retry_at for m in self._unwritten), default=math.inf)
             if retry_at < math.inf:  # a conflict: try that one again later
-                keeper.schedule(self, retry_at)
+                keeper.schedule(self, retry_at, sooner_only=True)
 
     def _live_lease(self) -> int | None:
         """The lease to write on: kept if it survived, else a new one (None: closed)."""

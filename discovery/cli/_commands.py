@@ -104,6 +104,7 @@ def cmd_register(args: argparse.Namespace) -> int:
     registration.subscribe(on_state)
     stop.wait()
     if registration.state is RegistrationState.CLOSED:
+        registration.close()  # waits for the revoke the drain deadline started
         log.info("%s drained and deregistered; exiting", registration.engine_id)
         return 0
     if args.drain_timeout > 0:
