@@ -157,7 +157,9 @@ def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: 
     registrar = Registrar(settings, "victim", ttl=3)
     try:
         added = json.loads(watch.stdout.readline())
-        assert set(added) == {"type", "engine_id", "key", "revision", "endpoint", "labels"}
+        assert set(added) == {
+            "type", "engine_id", "key", "revision", "endpoint", "labels", "status"
+        }  # fmt: skip
         assert (added["type"], added["engine_id"]) == ("added", "victim")
         assert added["endpoint"]["coordinator_address"] == "tcp://victim:5555"
         registrar.signal(signal.SIGKILL)

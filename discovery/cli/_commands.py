@@ -219,7 +219,8 @@ def format_event(event: EndpointEvent, fmt: str) -> str:
     labels = ",".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
     return (
         f"{event.type.value:<8} {event.engine_id} {event.endpoint.coordinator_address} "
-        f"rev={event.revision}{' ' + labels if labels else ''}"
+        f"{event.status}{_until(event.record)} rev={event.revision}"
+        f"{' ' + labels if labels else ''}"
     )
 
 
