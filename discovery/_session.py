@@ -286,7 +286,7 @@ class Session:
         if state is _State.LOST or owed:
             self._start_repair()
         at = self._keepalive(keeper, now) if state is _State.ALIVE else now + RETRY_MAX
-        keeper.schedule(self, at)
+        keeper.schedule(self, at, sooner_only=True)  # a repair may have asked for sooner
 
     def _keepalive(self, keeper: LeaseKeeper, now: float) -> float:
         """Send one keepalive; when to run the next turn."""
