@@ -65,6 +65,7 @@ class LeaseKeeper:
         self._heap: list[tuple[float, int, Timed]] = []
         self._seq = itertools.count()
         self._due: dict[Timed, float] = {}
+        self._stale = 0  # heap entries superseded or cancelled (dropped when due)
         self._by_lease: dict[int, KeptLease] = {}
         self._stream: KeepAliveStream | None = None
         self._stream_opened = 0.0
@@ -93,6 +94,8 @@ class LeaseKeeper:
             pending = self._due.get(item)
             if sooner_only and pending is not None and pending <= at:
                 return
+            if pending is not None:
+                self._forget_locked()
             self._due[item] = at
             if not self._heap or at < self._heap[0][0]:
                 self._cond.notify()  # else the thread wakes early enough anyway
@@ -101,7 +104,17 @@ class LeaseKeeper:
     def cancel(self, item: Timed) -> None:
         """Forget ``item``'s scheduled turn."""
         with self._cond:
-            self._due.pop(item, None)
+            if self._due.pop(item, None) is not None:
+                self._forget_locked()
+
+    def _forget_locked(self) -> None:
+        # A stale entry keeps its item alive until it is due: when they are the bulk of
+        # the heap (many short registrations), drop them.
+        self._stale += 1
+        if self._stale > 64 and 2 * self._stale > len(self._heap):
+            self._heap = [entry for entry in self._heap if self._due.get(entry[2]) == entry[0]]
+            heapq.heapify(self._heap)
+            self._stale = 0
 
     def _run(self) -> None:
         while True:
@@ -113,6 +126,7 @@ class LeaseKeeper:
                     return
                 at, _, item = heapq.heappop(self._heap)
                 if self._due.get(item) != at:
+                    self._stale = max(0, self._stale - 1)
                     continue  # a newer schedule entry supersedes this one
                 del self._due[item]
             self._guarded(item, item.turn)
