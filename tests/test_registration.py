@@ -511,8 +511,14 @@ def test_a_short_stall_loses_no_registration_of_many(etcd, private_settings: Set
 def test_mass_loss_settles_with_one_rewrite_each(etcd, private_settings: Settings) -> None:
     """After a stall longer than the TTL every lease is gone: each engine registers once
     more, and keepalives of the others never starve behind the re-registrations (no
-    cascade of second losses). How fast it settles: bench/bench_sessions.py."""
-    conn, regs = _many(private_settings, 2000, ttl=3)
+    cascade of second losses).
+
+    500 leases of their own (500 keepalives/s at TTL 3 s, about a fifth of a core here)
+    hold under two CPU burners; 2,000 need more than a loaded 2-core machine gives a
+    process (bench/bench_sessions.py: they cascade there): that is what a Session is for
+    (tests/test_sessions.py does 2,000 on one). How fast it settles: bench_sessions.py.
+    """
+    conn, regs = _many(private_settings, 500, ttl=3)
     try:
         losses = losses_after_a_mass_loss(etcd, regs, ttl=3)
         assert losses == {1: len(regs)}, losses
