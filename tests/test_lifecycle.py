@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import pytest
 
 from discovery import (
+    Connection,
     EndpointWatcher,
     EngineStatus,
     EventType,
@@ -29,7 +30,16 @@ from discovery import (
 )
 from discovery._registration import _TRANSITIONS, _Event
 
-from .helpers import Registrar, cli_env, etcdctl, get_kv, make_endpoint, run_cli, wait_for
+from .helpers import (
+    Registrar,
+    cli_env,
+    etcdctl,
+    get_kv,
+    make_endpoint,
+    raw_call,
+    run_cli,
+    wait_for,
+)
 
 S = RegistrationState
 
@@ -117,6 +127,24 @@ def test_drain_revokes_at_its_deadline(settings: Settings) -> None:
         quick = register_engine(make_endpoint(), engine_id="quick", settings=settings)
         quick.drain(0)  # nothing to wait for: revoked at once
         assert quick.state is S.CLOSED and get_kv(settings.endpoints, quick.key) is None
+
+
+def test_a_bad_status_is_skipped_and_counted_then_the_registrar_writes_its_own(
+    settings: Settings,
+) -> None:
+    with watch_table(settings) as table, Connection(settings) as conn:
+        reg = register_engine(make_endpoint(), engine_id="broken", ttl=3, settings=settings)
+        table.wait_until(lambda snap: "broken" in snap, timeout=10)
+        value = json.loads(get_kv(settings.endpoints, reg.key)["value"])
+        value["status"] = "paused"
+        raw_call(conn, lambda c: c.put(reg.key, json.dumps(value), lease=reg.lease_id))
+        # Like any bad value: skipped and counted, and the engine leaves the table...
+        table.wait_until(lambda snap: "broken" not in snap, timeout=10)
+        assert table.watcher.health().skipped == 1
+        # ...until its registrar, which saw the outside write, puts its own record back.
+        table.wait_until(lambda snap: "broken" in snap and snap["broken"].ready, timeout=10)
+        assert reg.state is S.REGISTERED and reg.health().losses == 0
+        reg.close()
 
 
 def test_operator_drain_and_undrain_survive_a_lost_lease(settings: Settings) -> None:
