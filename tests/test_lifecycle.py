@@ -147,6 +147,15 @@ def test_a_bad_status_is_skipped_and_counted_then_the_registrar_writes_its_own(
         reg.close()
 
 
+def _revoked_and_back(settings: Settings, key: str, kv: dict) -> dict:
+    """Revoke the record's lease (a lost lease); the record as its registrar writes it back."""
+    assert etcdctl(settings.endpoints, "lease", "revoke", f"{kv['lease']:x}").returncode == 0
+    return wait_for(
+        lambda: (new := get_kv(settings.endpoints, key)) and new["lease"] != kv["lease"] and new,
+        message="the record on a new lease",
+    )
+
+
 def test_operator_drain_and_undrain_survive_a_lost_lease(settings: Settings) -> None:
     registrar = Registrar(settings, "op", ttl=3)
     key = settings.keyspace.key("op")
@@ -159,13 +168,7 @@ def test_operator_drain_and_undrain_survive_a_lost_lease(settings: Settings) -> 
                  message="the registrar to adopt the drain")  # fmt: skip
 
         # The lease is lost (an operator revokes it): the record comes back, still draining.
-        assert etcdctl(settings.endpoints, "lease", "revoke", f"{kv['lease']:x}").returncode == 0
-        kv = wait_for(
-            lambda: (
-                (new := get_kv(settings.endpoints, key)) and new["lease"] != kv["lease"] and new
-            ),
-            message="the record on a new lease",
-        )
+        kv = _revoked_and_back(settings, key, kv)
         assert json.loads(kv["value"])["status"] == "draining"
         listed = run_cli(settings, "list")
         assert any(line.split()[:2] == ["op", "draining"] for line in listed.stdout.splitlines())
@@ -174,13 +177,7 @@ def test_operator_drain_and_undrain_survive_a_lost_lease(settings: Settings) -> 
         assert result.returncode == 0 and "engine 'op' is ready" in result.stdout
         wait_for(lambda: "draining -> ready, changed from outside" in registrar.output(),
                  message="the registrar to adopt the undrain")  # fmt: skip
-        assert etcdctl(settings.endpoints, "lease", "revoke", f"{kv['lease']:x}").returncode == 0
-        kv = wait_for(
-            lambda: (
-                (new := get_kv(settings.endpoints, key)) and new["lease"] != kv["lease"] and new
-            ),
-            message="the record on a new lease",
-        )
+        kv = _revoked_and_back(settings, key, kv)
         assert json.loads(kv["value"])["status"] == "ready"
         assert run_cli(settings, "undrain", "op").stdout.strip() == "engine 'op' is ready"
 
