@@ -60,24 +60,24 @@ WATCH_TARGETS = {1_000: 0.3, 10_000: 1.0, 50_000: 5.0}
 def worker_main(index: int, url: str, ttl: float, pipe) -> None:
     """Hold registrations; answer grow / stats / stop commands from the parent."""
     logging.basicConfig(level=logging.ERROR)
-    from discovery import _registration  # noqa: PLC0415
+    from discovery import _lease, _session  # noqa: PLC0415
 
     sent = [0]
     answered = [0]
-    send = _registration._Keeper.send_keepalive
-    answer = _registration.Registration._keepalive_answered
+    send = _lease.LeaseKeeper.send_keepalive
+    answer = _session.Session.keepalive_answered
 
     def counted_send(self, lease_id):
         stream = send(self, lease_id)  # the stream it went out on, or None
         sent[0] += stream is not None
         return stream
 
-    def counted_answer(self, keeper, lease_id, ttl):
+    def counted_answer(self, lease_id, ttl):
         answered[0] += 1
-        return answer(self, keeper, lease_id, ttl)
+        return answer(self, lease_id, ttl)
 
-    _registration._Keeper.send_keepalive = counted_send
-    _registration.Registration._keepalive_answered = counted_answer
+    _lease.LeaseKeeper.send_keepalive = counted_send
+    _session.Session.keepalive_answered = counted_answer
 
     settings = Settings(endpoints=[url], namespace=NAMESPACE, dial_timeout=30)
     conn = Connection(settings)

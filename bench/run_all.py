@@ -26,6 +26,7 @@ BENCHMARKS = {
     "codec": ([], ["--records", "2000"]),
     "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1"]),
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
+    "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
 }
 PLOT = BENCH / "latency.png"
 

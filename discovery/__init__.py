@@ -4,7 +4,14 @@ Engines register an ``InferenceEngineEndpoint`` under a lease; routers watch the
 into a live ``RoutingTable``. See README.md for the key layout and the guarantees.
 """
 
-from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, MAX_VALUE_BYTES, EngineRecord, KeySpace
+from ._codec import (
+    DEFAULT_NAMESPACE,
+    DEFAULT_ROOT,
+    MAX_VALUE_BYTES,
+    EngineRecord,
+    EngineStatus,
+    KeySpace,
+)
 from ._connection import Connection
 from ._endpoint import (
     InferenceEngineCapabilities,
@@ -25,6 +32,7 @@ from ._errors import (
 )
 from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
 from ._metrics import Metrics, MetricsHooks
+from ._operators import deregister, drain, undrain
 from ._policies import (
     Candidate,
     Choice,
@@ -42,12 +50,12 @@ from ._registration import (
     RegistrationState,
     aregister_engine,
     default_engine_id,
-    deregister,
     register_dynamic_engine,
     register_engine,
 )
 from ._router import PickHandle, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
+from ._session import Session
 from ._settings import Settings
 from ._signals import deregister_on_signals
 from ._store import EndpointEvent, EventType, RoutingSnapshot
@@ -78,6 +86,7 @@ __all__ = [
     "EngineEventReceiver",
     "EngineListing",
     "EngineRecord",
+    "EngineStatus",
     "EtcdError",
     "EtcdUnavailableError",
     "EventType",
@@ -109,6 +118,7 @@ __all__ = [
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",
+    "Session",
     "Settings",
     "WatcherHealth",
     "WatcherState",
@@ -117,8 +127,10 @@ __all__ = [
     "default_engine_id",
     "deregister",
     "deregister_on_signals",
+    "drain",
     "list_engines",
     "register_dynamic_engine",
     "register_engine",
+    "undrain",
     "watch_table",
 ]

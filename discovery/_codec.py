@@ -3,12 +3,14 @@
 Layout: one key per engine, ``{root}/{namespace}/engines/{engine_id}``, default root
 ``/inference/v1``, default namespace ``default``. The value is compact UTF-8 JSON:
 exactly ``InferenceEngineEndpoint.to_dict()`` plus optional top-level metadata
-(``engine_id``, ``labels``, ``registered_at``) that Megatron's ``from_dict`` ignores.
+(``engine_id``, ``labels``, ``registered_at``, ``status``, ``drain_deadline``) that
+Megatron's ``from_dict`` ignores. A value without ``status`` is ``ready``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import re
@@ -29,6 +31,7 @@ __all__ = [
     "DEFAULT_ROOT",
     "MAX_VALUE_BYTES",
     "EngineRecord",
+    "EngineStatus",
     "KeySpace",
 ]
 
@@ -138,14 +141,57 @@ class KeySpace:
         return decode(key, value, self.engine_id(key))
 
 
+class EngineStatus(enum.StrEnum):
+    """What routers may do with an engine (the ``status`` of its record).
+
+    Routers pick only ``ready`` engines by default. A value without ``status`` is ``ready``.
+    """
+
+    STARTING = "starting"
+    """Registered (visible to operators) but not taking requests yet."""
+    READY = "ready"
+    """Taking new requests."""
+    DRAINING = "draining"
+    """Finishing the requests it has, taking no new ones; leaves at ``drain_deadline``."""
+
+
+def validate_status(status: object) -> EngineStatus:
+    """Return ``status`` as an EngineStatus, or raise InvalidRecordError naming it."""
+    try:
+        return EngineStatus(status)  # type: ignore[arg-type]  # anything: refused below
+    except ValueError:
+        names = ", ".join(s.value for s in EngineStatus)
+        raise InvalidRecordError(f"status {status!r} is not one of {names}") from None
+
+
+def _checked_status(status: object, deadline: object) -> tuple[EngineStatus, datetime | None]:
+    """A record's status (None: ready) and drain deadline (UTC), checked together."""
+    checked = EngineStatus.READY if status is None else validate_status(status)
+    if deadline is None:
+        return checked, None
+    if not isinstance(deadline, datetime) or deadline.tzinfo is None:
+        raise InvalidRecordError("drain_deadline must be a timezone-aware datetime")
+    if checked is not EngineStatus.DRAINING:
+        raise InvalidRecordError(
+            f"drain_deadline is only allowed on a draining record, not {checked}"
+        )
+    return checked, deadline.astimezone(UTC)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRecord:
-    """One engine as stored in etcd: its id, endpoint, labels and registration time."""
+    """One engine as stored in etcd: id, endpoint, labels, registration time and status.
+
+    ``drain_deadline`` (UTC) is when a ``draining`` engine leaves; None means it drains
+    until someone undrains or removes it. Only a draining record may carry one.
+    """
 
     engine_id: str
     endpoint: InferenceEngineEndpoint
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     registered_at: datetime | None = None
+    status: EngineStatus = EngineStatus.READY
+    drain_deadline: datetime | None = None
 
     def __post_init__(self) -> None:
         """Validate the metadata; the endpoint validates itself."""
@@ -155,6 +201,14 @@ class EngineRecord:
         object.__setattr__(self, "labels", validate_labels(self.labels))
         if self.registered_at is not None and not isinstance(self.registered_at, datetime):
             raise InvalidRecordError("registered_at must be a datetime")
+        status, deadline = _checked_status(self.status, self.drain_deadline)
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "drain_deadline", deadline)
+
+    @property
+    def ready(self) -> bool:
+        """Whether routers pick this engine by default (status ``ready``)."""
+        return self.status is EngineStatus.READY
 
     @classmethod
     def _decoded(
@@ -163,6 +217,7 @@ class EngineRecord:
         endpoint: InferenceEngineEndpoint,
         labels: Mapping[str, str],
         registered_at: datetime | None,
+        status: tuple[EngineStatus, datetime | None],
     ) -> EngineRecord:
         """A record from parts the decoder has already validated: nothing is checked twice."""
         record = object.__new__(cls)
@@ -170,6 +225,8 @@ class EngineRecord:
         _set(record, "endpoint", endpoint)
         _set(record, "labels", labels)
         _set(record, "registered_at", registered_at)
+        _set(record, "status", status[0])
+        _set(record, "drain_deadline", status[1])
         return record
 
     def matches(self, selector: Mapping[str, str] | None) -> bool:
@@ -184,6 +241,9 @@ class EngineRecord:
             value["labels"] = dict(self.labels)
         if self.registered_at is not None:
             value["registered_at"] = _format_time(self.registered_at)
+        value["status"] = self.status.value
+        if self.drain_deadline is not None:
+            value["drain_deadline"] = _format_time(self.drain_deadline)
         return value
 
 
@@ -207,6 +267,11 @@ class RecordView:
     def labels(self) -> Mapping[str, str]:
         """The engine's labels."""
         return self.record.labels
+
+    @property
+    def status(self) -> EngineStatus:
+        """The engine's status: starting, ready or draining."""
+        return self.record.status
 
 
 _encoder = msgspec.json.Encoder()
@@ -257,6 +322,8 @@ class _WireValue(msgspec.Struct, gc=False):
     engine_id: str | msgspec.UnsetType = msgspec.UNSET  # null is a mismatch, not "absent"
     labels: msgspec.Raw = _NULL
     registered_at: str | None = None
+    status: str | None = None  # absent (older values, bare Megatron ones): ready
+    drain_deadline: str | None = None
 
 
 _wire_decoder = msgspec.json.Decoder(_WireValue)
@@ -314,7 +381,8 @@ def _fast_record(wire: _WireValue, engine_id: str) -> EngineRecord:
         engine_id,
         InferenceEngineEndpoint._checked(wire.coordinator_address, capabilities),
         _shared(_shared_labels, wire.labels, _labels_of),
-        _parse_time(wire.registered_at),
+        _parse_time(wire.registered_at, "registered_at"),
+        _checked_status(wire.status, _parse_time(wire.drain_deadline, "drain_deadline")),
     )
 
 
@@ -347,7 +415,11 @@ def _exact_record(key: str, obj: Any, engine_id: str) -> EngineRecord:
             engine_id,
             endpoint,
             validate_labels(obj.get("labels")),  # null: none; false, [] or "" are bad
-            _parse_time(obj.get("registered_at")),
+            _parse_time(obj.get("registered_at"), "registered_at"),
+            _checked_status(
+                obj.get("status"),
+                _parse_time(obj.get("drain_deadline"), "drain_deadline"),
+            ),
         )
     except ValueError as exc:  # InvalidRecordError is one
         raise RecordDecodeError(key, str(exc)) from exc
@@ -357,9 +429,9 @@ def _format_time(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _parse_time(text: object) -> datetime | None:
+def _parse_time(text: object, name: str) -> datetime | None:
     if text is None:
         return None
     if not isinstance(text, str):
-        raise ValueError(f"registered_at must be an ISO 8601 string, not {type(text).__name__}")
+        raise ValueError(f"{name} must be an ISO 8601 string, not {type(text).__name__}")
     return datetime.fromisoformat(text)

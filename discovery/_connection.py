@@ -46,6 +46,7 @@ import etcd3.exceptions as etcd3_exc
 import grpc
 from etcd3 import etcdrpc
 from etcd3.client import EtcdTokenCallCredentials
+from etcd3.transactions import BaseCompare, Txn
 from etcd3.utils import prefix_range_end
 from tenacity import (
     RetryCallState,
@@ -65,9 +66,12 @@ from ._errors import (
     PermissionDeniedError,
 )
 from ._port import (
+    MAX_BATCH,
     PAGE_SIZE,
     Compacted,
     KeyValue,
+    LeaseGone,
+    LeaseInfo,
     NoLeaderError,
     PutResult,
     StreamSilentError,
@@ -176,6 +180,8 @@ def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryErr
         return PermissionDeniedError(f"etcd refused the request: {what}")
     if isinstance(exc, _TokenExpired):
         return _TokenRejected("etcd rejected the auth token; authenticating again", what)
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in what:
+        return LeaseGone(f"etcd refused the write: {what}", "lease not found")
     if is_transient(exc):
         where = ", ".join(endpoints) or "etcd"
         hint = ""
@@ -205,6 +211,14 @@ def _log_retry(state: RetryCallState) -> None:
 
 def _key_value(kv: Any) -> KeyValue:
     return KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+
+
+class _LeaseCompare(BaseCompare):  # type: ignore[misc]
+    """``lease(key) == id``: the lease a key is bound to (python3-etcd3 has no helper)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = etcdrpc.Compare.LEASE
+        compare.lease = int(self.value)
 
 
 class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
@@ -397,17 +411,27 @@ class Connection:
 
         The default timeout is ``settings.dial_timeout``. Raises a DiscoveryError.
         """
-        retrying = Retrying(
-            retry=retry_if_exception(
-                lambda e: isinstance(e, EtcdUnavailableError) and not self._closed
-            ),
-            wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
-            stop=stop_after_delay(self.settings.dial_timeout if timeout is None else timeout),
-            before_sleep=_log_retry,
-            reraise=True,
-        )
         try:
-            return retrying(op)
+            try:
+                return op()  # the common case builds no retry machinery (~40 us a call)
+            except EtcdUnavailableError as exc:
+                failed: list[BaseException] = [exc]
+
+            def attempt() -> T:
+                if failed:  # the first attempt, made above: replayed for the policy
+                    raise failed.pop()
+                return op()
+
+            retrying = Retrying(
+                retry=retry_if_exception(
+                    lambda e: isinstance(e, EtcdUnavailableError) and not self._closed
+                ),
+                wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
+                stop=stop_after_delay(self.settings.dial_timeout if timeout is None else timeout),
+                before_sleep=_log_retry,
+                reraise=True,
+            )
+            return retrying(attempt)
         except _TokenRejected as exc:
             raise PermissionDeniedError("etcd keeps rejecting the auth token") from exc
 
@@ -469,6 +493,11 @@ class Connection:
         """The lease's remaining TTL in seconds; <= 0 when it no longer exists."""
         return int(self._attempt(lambda c: c.get_lease_info(lease_id).TTL))
 
+    def lease_info(self, lease_id: int) -> LeaseInfo:
+        """The lease's remaining TTL (<= 0 when gone) and the keys bound to it."""
+        info = self._attempt(lambda c: c.get_lease_info(lease_id))
+        return LeaseInfo(int(info.TTL), tuple(info.keys))
+
     def revoke(self, lease_id: int) -> None:
         """Revoke a lease; one that no longer exists (it expired) is revoked already."""
 
@@ -525,9 +554,52 @@ class Connection:
 
         return self._attempt(transact)
 
+    def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
+        """Create each absent key on ``lease_id`` in one transaction of nested ones."""
+        if len(items) > MAX_BATCH:
+            raise ValueError(f"at most {MAX_BATCH} keys per batch, got {len(items)}")
+
+        def transact(client: _Client) -> list[PutResult]:
+            txn = client.transactions
+            ops = [
+                Txn(
+                    compare=[txn.version(key) == 0],
+                    success=[txn.put(key, value, lease_id)],
+                    failure=[txn.get(key)],
+                )
+                for key, value in items
+            ]
+            _, responses = client.transaction(compare=[], success=ops, failure=[])
+            results = []
+            for response in responses:
+                nested = response.response_txn
+                op = nested.responses[0]
+                if nested.succeeded:
+                    results.append(PutResult(True, op.response_put.header.revision, None))
+                else:
+                    found = op.response_range
+                    current = _key_value(found.kvs[0]) if found.kvs else None
+                    results.append(PutResult(False, found.header.revision, current))
+            return results
+
+        return self._attempt(transact)
+
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
         return bool(self._attempt(lambda c: c.delete(key)))
+
+    def delete_owned(self, key: str, lease_id: int) -> bool:
+        """Delete ``key`` only if it is bound to ``lease_id``."""
+
+        def transact(client: _Client) -> bool:
+            ok, _ = client.transaction(
+                compare=[_LeaseCompare(key) == lease_id],
+                success=[client.transactions.delete(key)],
+                failure=[],
+            )
+            return bool(ok)
+
+        return self._attempt(transact)
 
     # -- streams --------------------------------------------------------------------------
 

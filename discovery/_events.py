@@ -41,7 +41,8 @@ from ._dispatch import Dispatcher, Listeners
 from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint
 from ._errors import ClosedError, ConfigurationError, DiscoveryError, InvalidRecordError
 from ._metrics import NO_METRICS, MetricsHooks
-from ._registration import Registration, default_engine_id, register_engine, validate_ttl
+from ._registration import Registration, default_engine_id, register_engine
+from ._session import check_ttl
 
 if TYPE_CHECKING:
     import zmq
@@ -177,7 +178,7 @@ class EngineEventReceiver:
         require_event_libraries()
         self.engine_id = default_engine_id() if engine_id is None else validate_engine_id(engine_id)
         self._labels = dict(validate_labels(labels))
-        self._ttl = validate_ttl(ttl)
+        self._ttl = check_ttl(ttl)
         self._host = host
         self._settings = settings
         self._connection = connection

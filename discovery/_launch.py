@@ -34,6 +34,7 @@ from typing import Any
 
 from ._errors import ConfigurationError
 from ._events import EngineEventReceiver, ReceiverState
+from ._signals import drain_and_close
 
 __all__ = ["PLACEHOLDER", "launch"]
 
@@ -147,18 +148,23 @@ def launch(
     event_host: str = "127.0.0.1",
     ready_timeout: float | None = None,
     stop_timeout: float = 20.0,
+    drain_timeout: float = 0.0,
     **register: Any,
 ) -> int:
     """Run ``command`` as a registered engine until it exits or a stop signal; the exit status.
 
-    ``register`` takes the keyword arguments of ``EngineEventReceiver`` (those of
-    ``register_engine``). Call from the main thread: it installs SIGTERM/SIGINT handlers
-    for its duration.
+    On SIGTERM/SIGINT the engine is first marked ``draining`` for ``drain_timeout``
+    seconds while it keeps serving (0: deregistered at once), then deregistered and
+    stopped. ``register`` takes the keyword arguments of ``EngineEventReceiver`` (those
+    of ``register_engine``). Call from the main thread: it installs SIGTERM/SIGINT
+    handlers for its duration.
     """
     check_command(command)
     for name, value in (("ready timeout", ready_timeout), ("stop timeout", stop_timeout)):
         if value is not None and not value > 0:
             raise ConfigurationError(f"{name} must be a positive number of seconds, got {value}")
+    if not drain_timeout >= 0:
+        raise ConfigurationError(f"drain timeout must be >= 0 seconds, got {drain_timeout}")
     receiver = EngineEventReceiver(host=event_host, **register)
     wakeups = _Wakeups()
     try:
@@ -170,7 +176,14 @@ def launch(
             log.error("cannot start %s: %s", argv[0], exc.strerror or exc)
             return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
         log.info("%s: engine started: pid %d, its own process group", receiver.engine_id, child.pid)
-        return _Supervisor(child, receiver, wakeups, ready_timeout, stop_timeout).run()
+        return _Supervisor(
+            child,
+            receiver,
+            wakeups,
+            ready_timeout=ready_timeout,
+            stop_timeout=stop_timeout,
+            drain_timeout=drain_timeout,
+        ).run()
     finally:
         receiver.close()
         wakeups.close()
@@ -198,10 +211,13 @@ class _Supervisor:
         child: subprocess.Popen[bytes],
         receiver: EngineEventReceiver,
         wakeups: _Wakeups,
+        *,
         ready_timeout: float | None,
         stop_timeout: float,
+        drain_timeout: float,
     ) -> None:
         self._child = child
+        self._drain_timeout = drain_timeout
         self._receiver = receiver
         self._wakeups = wakeups
         self._stop_timeout = stop_timeout
@@ -260,12 +276,23 @@ class _Supervisor:
         return exit_status(returncode)
 
     def _stop_requested(self, sig: signal.Signals) -> int:
+        registration = self._receiver.registration
+        if registration is not None and self._drain_timeout > 0:
+            log.info("%s: %s: draining for %g s", self._name, sig.name, self._drain_timeout)
+            drain_and_close(registration, self._drain_timeout, self._drain_ends_early)
         log.info("%s: %s: deregistering, then stopping the engine", self._name, sig.name)
-        # Issue 13's drain goes here: mark the record draining and wait, then revoke.
         self._receiver.close()
         returncode = self._stop_child(sig)
         log.info("%s: engine %s; deregistered", self._name, _describe(returncode))
         return 0 if returncode in (0, -sig) else exit_status(returncode)
+
+    def _drain_ends_early(self, seconds: float) -> bool:
+        """Wait out a drain; True (revoke now) on a second signal or the engine's exit."""
+        ends = time.monotonic() + seconds
+        while (left := ends - time.monotonic()) > 0:
+            if self._wakeups.wait(left) or self._child.returncode is not None:
+                return True
+        return False
 
     def _stop_child(self, sig: signal.Signals) -> int:
         """Signal the group, SIGKILL it after the stop timeout (or a second signal)."""

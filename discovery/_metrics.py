@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["NO_METRICS", "Metrics", "MetricsHooks"]
 
 _REGISTRATION_STATES = ("registering", "registered", "lost", "closed")
+_STATUSES = ("starting", "ready", "draining")
 
 
 class MetricsHooks(Protocol):
@@ -36,6 +38,10 @@ class MetricsHooks(Protocol):
 
     def registration_state(self, engine_id: str, state: str) -> None:
         """A registration changed state (``closed``: forget it)."""
+        return None
+
+    def registration_status(self, engine_id: str, status: str) -> None:
+        """A registration's record has this status (its own write or an adopted one)."""
         return None
 
     def lease_granted(self) -> None:
@@ -136,6 +142,7 @@ class Metrics(MetricsHooks):
         self._lock = threading.Lock()
         self._keepalives: dict[str, float] = {}
         self._stated: set[str] = set()
+        self._statused: set[str] = set()
         self._routers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._tables: weakref.WeakSet[Any] = weakref.WeakSet()
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -151,6 +158,12 @@ class Metrics(MetricsHooks):
             "discovery_registration_state",
             "1 for the current state of each registration, else 0.",
             ("engine_id", "state"),
+        )
+        self._status = gauge(
+            "discovery_registration_status",
+            "1 for the current status of each registration's record (starting, ready, "
+            "draining), else 0.",
+            ("engine_id", "status"),
         )
         self._grants = counter("discovery_lease_grants_total", "Leases granted for registrations.")
         self._keepalive_failures = counter(
@@ -240,10 +253,23 @@ class Metrics(MetricsHooks):
                     self._stated.discard(engine_id)
                     for name in _REGISTRATION_STATES:
                         self._state.remove(engine_id, name)
+                if engine_id in self._statused:
+                    self._statused.discard(engine_id)
+                    for name in _STATUSES:
+                        self._status.remove(engine_id, name)
                 return
             self._stated.add(engine_id)
         for name in _REGISTRATION_STATES:
             self._state.labels(engine_id, name).set(1 if name == state else 0)
+
+    def registration_status(self, engine_id: str, status: str) -> None:
+        """Set the status gauge of ``engine_id`` (its series go when it closes)."""
+        with self._lock:
+            if engine_id not in self._stated:
+                return  # closed (or never registered): no series to keep
+            self._statused.add(engine_id)
+        for name in _STATUSES:
+            self._status.labels(engine_id, name).set(1 if name == status else 0)
 
     def lease_granted(self) -> None:
         """Count a lease grant."""
@@ -357,11 +383,15 @@ class _LiveCollector:
         yield age
         yield from _staleness(list(metrics._watchers))
         engines = GaugeMetricFamily(
-            "discovery_routing_engines", "Engines in the routing table.", labels=["selector"]
+            "discovery_routing_engines",
+            "Engines in the routing table, by status (routers pick ready ones).",
+            labels=["selector", "status"],
         )
         for table in list(metrics._tables):
-            selector = ",".join(f"{k}={v}" for k, v in sorted(table.watcher.selector.items()))
-            engines.add_metric([selector], len(table))
+            selector = ",".join(f"{k}={v}" for k, v in sorted(table.selector.items()))
+            counts = Counter(record.status.value for record in table.snapshot().values())
+            for status in _STATUSES:
+                engines.add_metric([selector, status], counts[status])
         yield engines
         in_flight = GaugeMetricFamily(
             "discovery_router_in_flight",

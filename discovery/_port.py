@@ -13,7 +13,7 @@ dropped stream) is an ``EtcdUnavailableError``; ``call`` retries such failures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
@@ -27,6 +27,8 @@ __all__ = [
     "EtcdPort",
     "KeepAliveStream",
     "KeyValue",
+    "LeaseGone",
+    "LeaseInfo",
     "NoLeaderError",
     "PutResult",
     "StreamSilentError",
@@ -41,6 +43,9 @@ T = TypeVar("T")
 
 PAGE_SIZE = 1000
 """Keys per page when listing a prefix (all pages are read at one revision)."""
+
+MAX_BATCH = 100
+"""Keys per ``create_many`` call (etcd allows 128 operations in one transaction)."""
 
 
 class KeyValue(NamedTuple):
@@ -90,12 +95,27 @@ class PutResult:
     previous: KeyValue | None
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """A lease as etcd sees it: remaining TTL (<= 0 when gone) and the keys bound to it."""
+
+    ttl: int
+    keys: tuple[bytes, ...]
+
+
 class Compacted(EtcdError):
     """The revision asked for has been compacted away: list again."""
 
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"revision compacted (oldest available: {compact_revision})")
         self.compact_revision = compact_revision
+
+
+class LeaseGone(EtcdUnavailableError):
+    """A write named a lease that no longer exists (expired or revoked).
+
+    Transient for whoever owns the lease: it grants a new one and the write goes again.
+    """
 
 
 class StreamSilentError(EtcdUnavailableError):
@@ -198,6 +218,10 @@ class EtcdPort(Protocol):
         """The lease's remaining TTL in seconds; <= 0 when it no longer exists."""
         ...
 
+    def lease_info(self, lease_id: int) -> LeaseInfo:
+        """The lease's remaining TTL and the keys bound to it."""
+        ...
+
     def revoke(self, lease_id: int) -> None:
         """Revoke a lease, deleting its keys; a lease that is gone counts as revoked."""
 
@@ -213,8 +237,20 @@ class EtcdPort(Protocol):
         """Put ``value`` only if the key was last written at ``mod_revision`` (by us)."""
         ...
 
+    def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
+        """``create`` of each (key, value) on ``lease_id``, all in one transaction.
+
+        Each key is created only if absent, independently of the others; one result per
+        item, in order. At most ``MAX_BATCH`` items.
+        """
+        ...
+
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
+        ...
+
+    def delete_owned(self, key: str, lease_id: int) -> bool:
+        """Delete ``key`` only if it is bound to ``lease_id``; whether it was."""
         ...
 
     def open_watch(

@@ -7,6 +7,11 @@ the table dropped is never picked again, by any policy. Picks never touch etcd a
 block on I/O; ``pick()`` and ``release()`` are thread-safe (one lock) and cheap enough to
 call from an asyncio event loop.
 
+**Status, before anything else.** Only engines whose record status is among the router's
+``statuses`` (default: ``ready``) are candidates: a ``starting`` engine takes nothing yet,
+a ``draining`` one nothing new. A handle already held on an engine that starts draining
+stays valid and releases normally (its in-flight count stays visible in ``in_flight()``).
+
 **Candidates.** The router sees the engines of the table that carry its ``selector``
 labels. Each pick then filters them, in this order and in one place (``_pool_locked``):
 fit (``len(prompt_tokens) + max_tokens <= context_length``), the per-call ``selector``
@@ -42,11 +47,11 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ._codec import EngineRecord, RecordView
+from ._codec import EngineRecord, EngineStatus, RecordView, validate_status
 from ._errors import NoEngineAvailableError
 from ._fencing import (
     DEFAULT_FENCE_AFTER,
@@ -157,7 +162,9 @@ class Router:
     """Picks an engine per request from a live RoutingTable (see the module docs).
 
     ``policy`` is a ``RoutingPolicy`` (or its name) or a ``Policy`` instance;
-    ``selector`` restricts every pick to engines carrying those labels. For the built-in
+    ``selector`` restricts every pick to engines carrying those labels; ``statuses`` are
+    the record statuses a candidate may have (default ``ready`` only; add ``starting`` for
+    a warm-up client, say). For the built-in
     policies: ``load_factor`` is ``c`` of the load bound of the prefix policies (an
     engine takes at most ``ceil(c x`` its capacity-weighted share of the mean in-flight
     load), None for pure affinity; ``load_gap`` the utilisation gap past which
@@ -179,6 +186,7 @@ class Router:
         load_factor: float | None = DEFAULT_LOAD_FACTOR,
         load_gap: float = DEFAULT_LOAD_GAP,
         prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS,
+        statuses: Iterable[EngineStatus | str] = (EngineStatus.READY,),
         fence_after: int | None = DEFAULT_FENCE_AFTER,
         fence_seconds: float = DEFAULT_FENCE_SECONDS,
         fence_max_seconds: float = DEFAULT_FENCE_MAX_SECONDS,
@@ -210,6 +218,7 @@ class Router:
         if metrics is not None:
             metrics.observe_router(self)
         self._selector = MappingProxyType(dict(selector or {}))
+        self._statuses = frozenset(validate_status(status) for status in statuses)
         self._lock = threading.Lock()
         self._snapshot: RoutingSnapshot | None = None
         self._engines: dict[str, Candidate] = {}
@@ -349,7 +358,9 @@ class Router:
             # Its handles still release, into the now detached Candidate they hold.
             self._forget_locked(engine_id)
             self._fences.forget(engine_id)
-        ordered = sorted(engines.values(), key=lambda e: (-e.context_length, e.engine_id))
+        # Engines of other statuses stay known (their in-flight counts) but are no candidates.
+        candidates = (e for e in engines.values() if e.record.status in self._statuses)
+        ordered = sorted(candidates, key=lambda e: (-e.context_length, e.engine_id))
         self._engines = engines
         self._ordered = tuple(ordered)
         self._neg_context = [-e.context_length for e in ordered]
@@ -422,6 +433,15 @@ class Router:
             return NoEngineAvailableError(
                 f"none of the {total} engines in the table carries the router's labels "
                 f"{dict(self._selector)}"
+            )
+        if not self._ordered:
+            seen: dict[str, int] = {}
+            for engine in self._engines.values():
+                seen[engine.record.status] = seen.get(engine.record.status, 0) + 1
+            return NoEngineAvailableError(
+                f"none of the {len(self._engines)} engines the router sees is "
+                f"{' or '.join(sorted(self._statuses))} "
+                f"({', '.join(f'{n} {status}' for status, n in sorted(seen.items()))})"
             )
         matching = [e for e in self._ordered if e.record.matches(selector)]
         if not matching:

@@ -1,31 +1,83 @@
-"""Deregistering on SIGTERM/SIGINT, for applications that ask for it.
+"""Ending registrations on SIGTERM/SIGINT, with an optional drain, for those who ask.
 
 The library never installs signal handlers by itself; ``discovery register`` does.
+
+The drain sequence (``drain_timeout`` S > 0): the first signal marks every registration
+``draining`` (routers stop picking it within milliseconds; requests already picked
+finish), S seconds later the leases are revoked (the keys go) and the process goes on
+as it would have without a drain. A second signal revokes at once.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["deregister_on_signals"]
+from ._errors import DiscoveryError
+
+__all__ = ["deregister_on_signals", "drain_and_close"]
+
+log = logging.getLogger(__name__)
 
 
 class _Closable(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class _Drainable(Protocol):
+    def drain(self, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def drain_and_close(
+    registration: _Drainable,
+    drain_timeout: float,
+    wait: Callable[[float], bool] | None = None,
+) -> None:
+    """End ``registration`` gracefully: ``draining`` for ``drain_timeout`` s, then closed.
+
+    ``wait(seconds)`` blocks for up to ``seconds`` and returns True to end the drain
+    early (``discovery register`` waits for a second signal there); by default the
+    drain lasts its whole timeout. 0 closes at once. If etcd cannot take the
+    ``draining`` mark, the drain still lasts its time (requests already routed finish).
+    """
+    if drain_timeout > 0:
+        ends = time.monotonic() + drain_timeout
+        try:
+            registration.drain(drain_timeout)
+        except DiscoveryError as exc:
+            log.warning("could not mark the engine draining (%s); waiting anyway", exc)
+        remaining = ends - time.monotonic()
+        if remaining > 0:
+            if wait is None:
+                time.sleep(remaining)
+            elif wait(remaining):
+                log.info("second signal: ending the drain now")
+    registration.close()
+
+
 def deregister_on_signals(
-    *closables: _Closable, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
+    *closables: _Closable,
+    signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+    drain_timeout: float = 0.0,
 ) -> Callable[[], None]:
     """Close ``closables`` (revoking leases) on SIGTERM/SIGINT, then behave as before.
 
     After closing, do what the previous handler did: call it, or exit (SIGTERM: status
-    128 + signum; SIGINT: KeyboardInterrupt). Must be called from the main thread.
-    Returns a function that restores the previous handlers.
+    128 + signum; SIGINT: KeyboardInterrupt). With ``drain_timeout`` S > 0, the first
+    signal only drains every registration among ``closables`` (see the module docs) and
+    returns, so the application keeps serving what it has; the closing happens S seconds
+    later (the signal is raised again then), or at once on a second signal. Must be
+    called from the main thread. Returns a function that restores the previous handlers.
 
     Python runs handlers in the main thread, between bytecodes, and the OS may deliver a
     signal to any thread (gRPC has several): a main thread parked in an uninterruptible
@@ -33,8 +85,21 @@ def deregister_on_signals(
     asyncio loop, a serving loop, or waits with a timeout are fine.
     """
     previous: dict[int, object] = {}
+    draining = threading.Event()
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        if drain_timeout > 0 and not draining.is_set():
+            draining.set()
+            for closable in closables:
+                if isinstance(closable, _Drainable):
+                    try:
+                        closable.drain(drain_timeout)
+                    except DiscoveryError as exc:
+                        log.warning("could not mark %r draining: %s", closable, exc)
+            timer = threading.Timer(drain_timeout, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
         for closable in closables:
             closable.close()
         before = previous.get(signum)

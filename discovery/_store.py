@@ -55,7 +55,7 @@ class EndpointEvent(RecordView):
     """The new record; for ``removed``, the last known one."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON-lines form: type, engine_id, key, revision, endpoint, labels."""
+        """The JSON-lines form: type, engine_id, key, revision, endpoint, labels, status."""
         return {
             "type": self.type.value,
             "engine_id": self.engine_id,
@@ -63,6 +63,7 @@ class EndpointEvent(RecordView):
             "revision": self.revision,
             "endpoint": self.endpoint.to_dict(),
             "labels": dict(self.labels),
+            "status": self.status.value,
         }
 
 

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -351,3 +352,35 @@ class TcpForwarder:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def stall(cluster: EtcdCluster, seconds: float) -> None:
+    """SIGSTOP the cluster's first member for ``seconds`` (a fault under test: a stall)."""
+    process = cluster.members[0].process
+    process.send_signal(signal.SIGSTOP)
+    try:
+        stalled = time.monotonic()
+        wait_for(
+            lambda: time.monotonic() - stalled >= seconds, timeout=seconds + 1, message="the stall"
+        )
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def losses_after_a_mass_loss(cluster: EtcdCluster, regs: Sequence[Any], ttl: float) -> Counter:
+    """Stall etcd past ``ttl`` so every lease of ``regs`` is lost; wait until all are
+    registered again, then two more TTLs (a second loss would be a cascade); return how
+    many registrations were lost how many times. The deadlines only bound a hang, on a
+    loaded machine: how fast it settles is for bench/bench_sessions.py."""
+    from discovery import RegistrationState  # noqa: PLC0415
+
+    stall(cluster, ttl + 1)
+    wait_for(lambda: all(r.health().losses >= 1 for r in regs), timeout=60, message="losses")
+    wait_for(
+        lambda: all(r.state is RegistrationState.REGISTERED for r in regs),
+        timeout=120,
+        message="all registered again",
+    )
+    settled = time.monotonic()
+    wait_for(lambda: time.monotonic() - settled > 2 * ttl, timeout=60, message="two TTLs")
+    return Counter(r.health().losses for r in regs)

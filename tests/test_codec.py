@@ -15,6 +15,7 @@ from discovery import (
     DEFAULT_ROOT,
     MAX_VALUE_BYTES,
     EngineRecord,
+    EngineStatus,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     InvalidRecordError,
@@ -251,6 +252,7 @@ def test_value_is_compact_json_of_to_dict_plus_metadata() -> None:
         "engine_id": "engine-1",
         "labels": {"model": "llama-70b", "zone": "us-east-1a"},
         "registered_at": "2024-05-06T07:08:09.123Z",
+        "status": "ready",
     }
     data = encode(record)
     assert data == json.dumps(expected, separators=(",", ":")).encode()
@@ -274,7 +276,11 @@ def test_value_writes_the_policy_value_string(policy: Policy | None) -> None:
 
 def test_value_omits_empty_labels_and_missing_registered_at() -> None:
     value = json.loads(encode(make_record(labels={}, registered_at=None)))
-    assert value == {**json.loads(json.dumps(make_endpoint().to_dict())), "engine_id": "engine-1"}
+    assert value == {
+        **json.loads(json.dumps(make_endpoint().to_dict())),
+        "engine_id": "engine-1",
+        "status": "ready",
+    }
 
 
 def test_registered_at_is_written_in_utc_with_milliseconds() -> None:
@@ -632,3 +638,69 @@ def test_decode_of_a_non_utf8_key() -> None:
     with pytest.raises(RecordDecodeError, match="engine id") as info:
         KeySpace().decode(b"/inference/v1/default/engines/e\xff", value)
     assert info.value.key == "/inference/v1/default/engines/e\\xff"
+
+
+# --- Status and drain deadline (issue 13) ---------------------------------------------------
+
+
+def test_a_value_without_status_is_ready() -> None:
+    # Every value written before statuses existed, and every bare Megatron value.
+    old = {k: v for k, v in json.loads(encode(make_record())).items() if k != "status"}
+    assert decode_obj(old).status is EngineStatus.READY
+    assert decode_obj(megatron_value()).status is EngineStatus.READY
+    assert decode_obj(megatron_value()).drain_deadline is None
+
+
+@pytest.mark.parametrize("status", list(EngineStatus))
+def test_status_round_trips_and_is_written_for_etcdctl(status: EngineStatus) -> None:
+    deadline = WHEN + timedelta(seconds=30) if status is EngineStatus.DRAINING else None
+    record = make_record(status=status, drain_deadline=deadline)
+    value = json.loads(encode(record))
+    assert value["status"] == status.value
+    assert ("drain_deadline" in value) is (deadline is not None)
+    assert KeySpace().decode(KEY.encode(), encode(record)) == record
+
+
+def test_drain_deadline_is_written_in_utc_with_milliseconds() -> None:
+    local = datetime(2024, 5, 6, 9, 8, 39, 123456, tzinfo=timezone(timedelta(hours=2)))
+    record = make_record(status="draining", drain_deadline=local)
+    assert record.status is EngineStatus.DRAINING  # the string is accepted, as the enum
+    assert json.loads(encode(record))["drain_deadline"] == "2024-05-06T07:08:39.123Z"
+    assert record.drain_deadline == local
+
+
+def test_record_status_rules() -> None:
+    with pytest.raises(InvalidRecordError, match="status 'paused' is not one of"):
+        make_record(status="paused")
+    with pytest.raises(InvalidRecordError, match="only allowed on a draining record, not ready"):
+        make_record(drain_deadline=WHEN)
+    with pytest.raises(InvalidRecordError, match="timezone-aware"):
+        make_record(status="draining", drain_deadline=datetime(2024, 5, 6))
+    assert make_record(status="draining").drain_deadline is None  # drains until undrained
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        ({"status": "paused"}, r"status 'paused' is not one of starting, ready, draining"),
+        ({"status": "READY"}, r"status 'READY' is not one of"),
+        ({"status": 1}, r"status 1 is not one of"),
+        ({"status": True}, r"status True is not one of"),
+        ({"status": ["ready"]}, r"status \['ready'\] is not one of"),
+        ({"status": "ready", "drain_deadline": "2024-05-06T07:08:09Z"}, "only allowed on a drain"),
+        ({"drain_deadline": "2024-05-06T07:08:09Z"}, "only allowed on a draining record"),
+        ({"status": "draining", "drain_deadline": "soon"}, "Invalid isoformat string"),
+        ({"status": "draining", "drain_deadline": 30}, "drain_deadline must be an ISO 8601"),
+        ({"status": "draining", "drain_deadline": "2024-05-06T07:08:09"}, "timezone-aware"),
+    ],
+    ids=repr,
+)
+def test_value_with_bad_status_or_deadline(metadata: dict[str, Any], reason: str) -> None:
+    assert_decode_error(json.dumps({**megatron_value(), **metadata}).encode(), reason)
+
+
+def test_event_and_handle_views_expose_the_status() -> None:
+    record = make_record(status=EngineStatus.STARTING)
+    event = discovery.EndpointEvent(discovery.EventType.UPDATED, KEY, 7, record)
+    assert event.status is EngineStatus.STARTING
+    assert not record.ready and make_record().ready

@@ -630,7 +630,7 @@ def test_engine_pod_registers_when_ready_and_deregisters_in_prestop(etcd, tmp_pa
         ENGINE_RUN_DIR=str(run_dir),
         REGISTRATION_TTL="5",
         REVOKE_WAIT_SECONDS="10",
-        DRAIN_SECONDS="0",
+        DRAIN_SECONDS="2",
         DISCOVERY_ETCD_ENDPOINTS=",".join(etcd.endpoints),
         DISCOVERY_NAMESPACE="pod-test",
     )
@@ -657,11 +657,13 @@ def test_engine_pod_registers_when_ready_and_deregisters_in_prestop(etcd, tmp_pa
         lease = etcd.etcdctl("get", key, "-w", "json").stdout
         assert json.loads(lease)["kvs"][0]["lease"] != 0
 
-        prestop = subprocess.run(
-            ["bash", str(tmp_path / "prestop.sh")], env=env, timeout=30, capture_output=True
-        )
-        assert prestop.returncode == 0
-        # Deregistered by the time preStop returns; the engine still serves (drain).
+        started = time.monotonic()
+        prestop = subprocess.Popen(["bash", str(tmp_path / "prestop.sh")], env=env)
+        # Draining first: routers stop picking the engine, its record stays for the drain.
+        wait_for(lambda: (record() or {}).get("status") == "draining", message="draining")
+        assert prestop.wait(timeout=30) == 0
+        assert time.monotonic() - started >= 2
+        # Deregistered by the time preStop returns; the engine still serves.
         assert record() is None
         assert pod.poll() is None and _accepts(port)
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from discovery import (
     EngineRecord,
+    EngineStatus,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     KeySpace,
@@ -608,6 +609,25 @@ def test_megatron_reader_loads_the_values_our_codec_writes(policy: Policy | None
     expected = {**caps_kwargs(), "logical_data_parallel_size": 2}
     expected["prefix_caching_coordinator_policy"] = None if policy is None else policy.value
     assert loaded == {"coordinator_address": ADDRESS, "capabilities": expected}
+
+
+@pytest.mark.parametrize("status", list(EngineStatus))
+def test_megatron_reader_loads_values_with_a_status(status: EngineStatus) -> None:
+    # The lifecycle metadata (issue 13) is top-level, beside engine_id: from_dict ignores it.
+    deadline = (
+        datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC) if status is EngineStatus.DRAINING else None
+    )
+    caps = make_caps()
+    record = EngineRecord(
+        engine_id="engine-1",
+        endpoint=InferenceEngineEndpoint(ADDRESS, caps),
+        status=status,
+        drain_deadline=deadline,
+    )
+    value = json.loads(encode(record))
+    assert value["status"] == status.value
+    bare = json.loads(json.dumps(InferenceEngineEndpoint(ADDRESS, caps).to_dict()))
+    assert megatron_from_dict(value) == megatron_from_dict(bare)
 
 
 @pytest.mark.parametrize(

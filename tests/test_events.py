@@ -96,9 +96,10 @@ def test_megatron_frames_register_exactly_the_ready_payload(
     registration = receiver.wait_registered(timeout=10)
     assert receiver.state is ReceiverState.REGISTERED
     value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
-    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at")}
+    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status")}
     assert value == json.loads(json.dumps(payload))  # Megatron's to_dict(), unchanged
     assert metadata["engine_id"] == "rz-0" and metadata["labels"] == {"model": "m"}
+    assert metadata["status"] == "ready"
     _frames_seen(receiver, 3)
     health = receiver.health()
     assert (health.frames, health.ready, health.ignored, health.malformed, health.rejected) == (

@@ -125,9 +125,10 @@ def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all
     launched.watch.wait("standin-0", "added", timeout=60)
     child, guard = launcher.child_pid(), launcher.guard_pid()
     value = json.loads(get_kv(settings.endpoints, launcher.key)["value"])
-    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at")}
+    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status")}
     assert value == json.loads(json.dumps(default_endpoint()))  # exactly what it sent
     assert metadata["engine_id"] == "standin-0" and metadata["labels"] == {"model": "m"}
+    assert metadata["status"] == "ready"
     assert os.getpgid(child) == child != os.getpgid(launcher.process.pid)  # its own group
 
     launcher.process.send_signal(signal.SIGTERM)
@@ -138,6 +139,23 @@ def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all
     assert "stand-in engine: SIGTERM, exiting 0" in out  # forwarded to the engine
     assert "engine events: 5 frames, 1 ready, 4 ignored, 0 malformed, 0 rejected" in out
     assert launched.watch.kinds("standin-0") == ["added", "removed"]
+
+
+def test_sigterm_with_a_drain_timeout_drains_while_the_engine_serves(
+    settings: Settings, launched
+) -> None:
+    launcher = launched("drainer-0", STAND_IN, "--ttl", "30", "--drain-timeout", "2")
+    launched.watch.wait("drainer-0", "added", timeout=60)
+    child = launcher.child_pid()
+    launcher.process.send_signal(signal.SIGTERM)
+    at, event = launched.watch.wait("drainer-0", "updated")
+    assert event.status == "draining" and event.record.drain_deadline is not None
+    assert not _gone(child)  # the engine keeps serving what it has while draining
+    removed_at, _ = launched.watch.wait("drainer-0", "removed")
+    assert removed_at - at >= 1.5  # the drain lasted (a revoke, not the 30 s TTL)
+    assert launcher.wait() == 0, launcher.output()
+    assert _gone(child)
+    assert launched.watch.kinds("drainer-0") == ["added", "updated", "removed"]
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,28 @@ def test_registration_metrics_follow_the_lifecycle(settings: Settings) -> None:
     assert registry.get_sample_value("discovery_keepalive_age_seconds", {"engine_id": "m1"}) is None
 
 
+def test_status_metrics_of_a_registration_and_a_table(settings: Settings) -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    status = "discovery_registration_status"
+    engines = "discovery_routing_engines"
+    with watch_table(settings, metrics=metrics) as table:
+        reg = register_engine(
+            make_endpoint(), engine_id="st", status="starting", settings=settings, metrics=metrics
+        )
+        assert _value(registry, status, engine_id="st", status="starting") == 1
+        table.wait_until(lambda snap: "st" in snap, timeout=10)
+        assert _value(registry, engines, selector="", status="starting") == 1
+        assert _value(registry, engines, selector="", status="ready") == 0
+        reg.drain(60)
+        assert _value(registry, status, engine_id="st", status="draining") == 1
+        assert _value(registry, status, engine_id="st", status="starting") == 0
+        table.wait_until(lambda snap: snap["st"].status == "draining", timeout=10)
+        assert _value(registry, engines, selector="", status="draining") == 1
+        reg.close()
+        assert registry.get_sample_value(status, {"engine_id": "st", "status": "draining"}) is None
+
+
 def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
     settings: Settings,
 ) -> None:
@@ -74,13 +96,15 @@ def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
     prefix = settings.keyspace.prefix
     with watch_table(settings, metrics=Metrics(registry)) as table:
         assert _value(registry, "discovery_watcher_connected", prefix=prefix) == 1
-        assert _value(registry, "discovery_routing_engines", selector="") == 0
+        assert _value(registry, "discovery_routing_engines", selector="", status="ready") == 0
         registrar = Registrar(settings, "doomed", ttl=2)
         try:
             table.wait_until(lambda snap: "doomed" in snap, timeout=10)
             events = "discovery_watcher_events_total"
             assert _value(registry, events, prefix=prefix, type="added") == 1
-            assert _value(registry, "discovery_routing_engines", selector="") == 1
+            engines = "discovery_routing_engines"
+            assert _value(registry, engines, selector="", status="ready") == 1
+            assert _value(registry, engines, selector="", status="draining") == 0
             registrar.signal(9)
             table.wait_until(lambda snap: "doomed" not in snap, timeout=2 + 2)
             assert _value(registry, events, prefix=prefix, type="removed") == 1

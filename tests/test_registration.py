@@ -38,7 +38,9 @@ from .helpers import (
     connected_member,
     etcdctl,
     get_kv,
+    losses_after_a_mass_loss,
     make_endpoint,
+    stall,
     wait_for,
 )
 
@@ -490,25 +492,12 @@ def _many(settings: Settings, count: int, ttl: int) -> tuple[Connection, list]:
     return conn, regs
 
 
-def _stall(cluster, seconds: float, regs: list) -> None:
-    """SIGSTOP etcd for ``seconds`` (the fault under test: a stall of that length)."""
-    process = cluster.members[0].process
-    process.send_signal(signal.SIGSTOP)
-    try:
-        stalled = time.monotonic()
-        wait_for(
-            lambda: time.monotonic() - stalled >= seconds, timeout=seconds + 1, message="the stall"
-        )
-    finally:
-        process.send_signal(signal.SIGCONT)
-
-
 def test_a_short_stall_loses_no_registration_of_many(etcd, private_settings: Settings) -> None:
     """A stall shorter than the TTL but longer than TTL/3 must not cascade into losses."""
     conn, regs = _many(private_settings, 500, ttl=3)
     try:
         wait_for(lambda: all(r.health().last_keepalive for r in regs), message="keepalives")
-        _stall(etcd, 1.6, regs)
+        stall(etcd, 1.6)
         answered = {r.engine_id: r.health().last_keepalive for r in regs}
         wait_for(
             lambda: all(r.health().last_keepalive != answered[r.engine_id] for r in regs),
@@ -524,20 +513,18 @@ def test_a_short_stall_loses_no_registration_of_many(etcd, private_settings: Set
 
 def test_mass_loss_settles_with_one_rewrite_each(etcd, private_settings: Settings) -> None:
     """After a stall longer than the TTL every lease is gone: each engine registers once
-    more, and keepalives of the others never starve behind the re-registrations."""
-    conn, regs = _many(private_settings, 2000, ttl=3)
+    more, and keepalives of the others never starve behind the re-registrations (no
+    cascade of second losses).
+
+    500 leases of their own (500 keepalives/s at TTL 3 s, about a fifth of a core here)
+    hold under two CPU burners; 2,000 need more than a loaded 2-core machine gives a
+    process (bench/bench_sessions.py: they cascade there): that is what a Session is for
+    (tests/test_sessions.py does 2,000 on one). How fast it settles: bench_sessions.py.
+    """
+    conn, regs = _many(private_settings, 500, ttl=3)
     try:
-        _stall(etcd, 4.0, regs)
-        wait_for(lambda: all(r.health().losses >= 1 for r in regs), timeout=8, message="losses")
-        wait_for(
-            lambda: all(r.state is RegistrationState.REGISTERED for r in regs),
-            timeout=10,
-            message="all registered again",
-        )
-        settled = time.monotonic()
-        # Over two more TTLs nothing is lost again: no cascade.
-        wait_for(lambda: time.monotonic() - settled > 2 * 3, timeout=8, message="two TTLs")
-        assert [r.health().losses for r in regs] == [1] * len(regs)
+        losses = losses_after_a_mass_loss(etcd, regs, ttl=3)
+        assert losses == {1: len(regs)}, losses
         keys = etcdctl(
             etcd.endpoints, "get", "--prefix", "--keys-only", private_settings.keyspace.prefix
         )
@@ -552,7 +539,7 @@ def test_a_failing_keeper_turn_does_not_stop_keepalives(
     settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with register_engine(make_endpoint(), engine_id="bug", ttl=3, settings=settings) as reg:
-        original = type(reg)._keepalive
+        original = type(reg.session)._keepalive
         failures = []
 
         def broken_once(self, keeper, now):
@@ -561,7 +548,7 @@ def test_a_failing_keeper_turn_does_not_stop_keepalives(
                 raise RuntimeError("injected bug")
             return original(self, keeper, now)
 
-        monkeypatch.setattr(type(reg), "_keepalive", broken_once)
+        monkeypatch.setattr(type(reg.session), "_keepalive", broken_once)
         wait_for(lambda: failures, message="the injected failure")
         seen = reg.health().last_keepalive
         wait_for(lambda: reg.health().last_keepalive != seen, timeout=5, message="keepalives again")
@@ -573,8 +560,9 @@ def test_a_write_whose_answer_was_lost_is_not_a_conflict(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """etcd applied the create, but its answer never came (say its member was cut off from
-    the cluster just after the entry was replicated) and the revoke of that attempt's lease
-    failed too: the retry finds the record on that lease, which is ours, not a rival's."""
+    the cluster just after the entry was replicated), and a revoke would fail too: the retry
+    finds the record on the registration's own session lease, which is ours, not a rival's
+    (the session keeps its lease across attempts, so there is no attempt lease to lose)."""
     conn = Connection(settings)
     create, revoke = conn.create, conn.revoke
     lost: list[int] = []
@@ -598,8 +586,7 @@ def test_a_write_whose_answer_was_lost_is_not_a_conflict(
         with register_engine(make_endpoint(), engine_id="unsure", ttl=5, connection=conn) as reg:
             assert reg.state is RegistrationState.REGISTERED and lost
             kv = get_kv(settings.endpoints, settings.keyspace.key("unsure"))
-            assert kv is not None and kv["lease"] == reg.lease_id != lost[0]
-            assert conn.lease_ttl(lost[0]) <= 0  # the attempt's lease is gone
-            assert reg.health().registrations == 1
+            assert kv is not None and kv["lease"] == reg.lease_id == lost[0]
+            assert reg.health().registrations == 1 and reg.health().losses == 0
     finally:
         conn.close()

@@ -119,6 +119,7 @@ def test_events_added_updated_removed_with_last_known_record(settings: Settings)
             "revision",
             "endpoint",
             "labels",
+            "status",
         }
     client.close()
 

@@ -21,9 +21,11 @@ from ._args import (
 from ._commands import (
     EXIT_FAILURE,
     cmd_deregister,
+    cmd_drain,
     cmd_launch,
     cmd_list,
     cmd_register,
+    cmd_undrain,
     cmd_watch,
 )
 from ._demo import cmd_demo
@@ -68,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     dereg.add_argument("engine_id")
     add_settings_flags(dereg)
     dereg.set_defaults(func=cmd_deregister)
+
+    drain = commands.add_parser(
+        "drain", help="mark an engine draining: routers stop picking it, its requests finish"
+    )
+    drain.add_argument("engine_id")
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="its registrar revokes the lease after S seconds (default: drain until undrain)",
+    )
+    add_settings_flags(drain)
+    drain.set_defaults(func=cmd_drain)
+
+    undrain = commands.add_parser("undrain", help="put a draining engine back to ready")
+    undrain.add_argument("engine_id")
+    add_settings_flags(undrain)
+    undrain.set_defaults(func=cmd_undrain)
 
     lst = commands.add_parser("list", help="print the live engines")
     lst.add_argument("--format", choices=("table", "json"), default="table")

@@ -159,6 +159,14 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=float, default=10.0, help="lease TTL in seconds (default 10)")
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--replace", action="store_true", help="take over a live engine's id")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="on the first SIGTERM/SIGINT mark the engine draining for S seconds, then "
+        "revoke; a second signal revokes at once (default 0: revoke at once)",
+    )
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,7 @@
-"""The ``register``, ``deregister``, ``list`` and ``watch`` commands, on the public API."""
+"""The ``register``, ``deregister``, ``drain``, ``undrain``, ``list``, ``watch`` commands.
+
+Each is a thin layer over the public API.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,15 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
+import time
 
-from .._codec import validate_labels
-from .._registration import RegistrationState, deregister, register_engine
+from .._codec import EngineRecord, validate_labels
+from .._operators import deregister, drain, undrain
+from .._registration import RegistrationState, register_engine
+from .._signals import drain_and_close
 from .._store import EndpointEvent
 from .._watcher import EndpointWatcher, ListedEngine, list_engines
 from ._args import (
@@ -36,6 +43,7 @@ class StopSignals:
     """
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    _WAKE = 0  # never a signal number: wake() writes it
 
     def __init__(self) -> None:
         self._read_fd, write_fd = os.pipe()
@@ -45,10 +53,19 @@ class StopSignals:
             signal.signal(sig, lambda *_: None)  # caught (not fatal); handled by wait()
         signal.set_wakeup_fd(write_fd)
 
-    def wait(self) -> None:
-        """Block until SIGTERM or SIGINT arrives."""
-        while os.read(self._read_fd, 1)[0] not in self._SIGNALS:
-            pass
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until SIGTERM or SIGINT arrives, or ``wake()``: True; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._read_fd], [], [], left)[0]:
+                return False
+            if os.read(self._read_fd, 1)[0] in (*self._SIGNALS, self._WAKE):
+                return True
+
+    def wake(self) -> None:
+        """Make ``wait()`` return (from any thread)."""
+        os.write(self._write_fd, bytes([self._WAKE]))
 
 
 # -- register / deregister ----------------------------------------------------------------
@@ -78,16 +95,24 @@ def cmd_register(args: argparse.Namespace) -> int:
         registration.lease_id,
         registration.ttl,
     )
-    registration.subscribe(lambda state: _log_state(registration.engine_id, state))
+
+    def on_state(state: RegistrationState) -> None:
+        if state is RegistrationState.REGISTERED:
+            log.info("%s registered again after losing its lease", registration.engine_id)
+        elif state is RegistrationState.CLOSED:
+            stop.wake()  # a drain's deadline passed (an operator's `discovery drain`)
+
+    registration.subscribe(on_state)
     stop.wait()
-    registration.close()
+    if registration.state is RegistrationState.CLOSED:
+        registration.close()  # waits for the revoke the drain deadline started
+        log.info("%s drained and deregistered; exiting", registration.engine_id)
+        return 0
+    if args.drain_timeout > 0:
+        log.info("%s: draining for %g s", registration.engine_id, args.drain_timeout)
+    drain_and_close(registration, args.drain_timeout, stop.wait)  # a 2nd signal: at once
     log.info("deregistered %s; exiting", registration.engine_id)
     return 0
-
-
-def _log_state(engine_id: str, state: RegistrationState) -> None:
-    if state is RegistrationState.REGISTERED:
-        log.info("%s registered again after losing its lease", engine_id)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -105,6 +130,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         event_host=args.event_host,
         ready_timeout=args.ready_timeout,
         stop_timeout=args.stop_timeout,
+        drain_timeout=args.drain_timeout,
         engine_id=args.engine_id,
         ttl=args.ttl,
         labels=parse_labels(args.label),
@@ -122,9 +148,40 @@ def cmd_deregister(args: argparse.Namespace) -> int:
     if lease is None:
         print(f"no engine {args.engine_id!r} at {key}", file=sys.stderr)
         return EXIT_FAILURE
-    how = f"revoked lease {lease:016x}" if lease else "deleted the key (it had no lease)"
+    how = (
+        f"revoked lease {lease:016x}"
+        if lease
+        else "deleted the key (it had no lease, or shares its lease with other engines)"
+    )
     print(f"removed engine {args.engine_id!r} at {key}: {how}")
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Mark an engine draining (routers stop picking it); revoked at the deadline, if any."""
+    settings = settings_from_args(args)
+    record = drain(args.engine_id, args.timeout, settings)
+    return _print_status(args.engine_id, settings.keyspace.key(args.engine_id), record)
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    """Put a draining engine back to ready."""
+    settings = settings_from_args(args)
+    record = undrain(args.engine_id, settings)
+    return _print_status(args.engine_id, settings.keyspace.key(args.engine_id), record)
+
+
+def _print_status(engine_id: str, key: str, record: EngineRecord | None) -> int:
+    if record is None:
+        print(f"no engine {engine_id!r} at {key}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"engine {engine_id!r} is {record.status}{_until(record)}")
+    return 0
+
+
+def _until(record: EngineRecord) -> str:
+    deadline = record.drain_deadline
+    return "" if deadline is None else f" until {deadline.isoformat(timespec='seconds')}"
 
 
 # -- list / watch ---------------------------------------------------------------------------
@@ -152,7 +209,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _table(engines: tuple[ListedEngine, ...]) -> str:
-    header = ("ENGINE", "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL", "LABELS")
+    header = (
+        "ENGINE", "STATUS", "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL",
+        "LABELS",
+    )  # fmt: skip
     lines = [header]
     for engine in engines:
         caps = engine.endpoint.capabilities
@@ -160,6 +220,7 @@ def _table(engines: tuple[ListedEngine, ...]) -> str:
         lines.append(
             (
                 engine.engine_id,
+                f"{engine.status}{_until(engine.record)}",
                 engine.endpoint.coordinator_address,
                 str(caps.context_length),
                 str(caps.kv_cache_block_size),
@@ -184,7 +245,8 @@ def format_event(event: EndpointEvent, fmt: str) -> str:
     labels = ",".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
     return (
         f"{event.type.value:<8} {event.engine_id} {event.endpoint.coordinator_address} "
-        f"rev={event.revision}{' ' + labels if labels else ''}"
+        f"{event.status}{_until(event.record)} rev={event.revision}"
+        f"{' ' + labels if labels else ''}"
     )
 
 

@@ -1,0 +1,149 @@
+"""What an operator does to a live engine from outside its process.
+
+``drain`` / ``undrain`` rewrite the record's ``status`` in place: on the same lease, with
+a compare on the revision they read (a concurrent change is read again, never
+overwritten). The engine's registrar sees the change on its own watch, adopts it, never
+writes it back, and revokes at the drain deadline. ``deregister`` removes the record:
+it revokes the lease when the lease holds only that key, and deletes the key alone when
+other engines share the lease (a ``Session``), so that one operator action never takes
+down a whole session. A live registrar writes a deregistered record again (that is its
+self-healing): stop the engine to remove it for good, or drain it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from functools import partial
+
+from ._codec import EngineRecord, EngineStatus, encode
+from ._connection import Connection
+from ._errors import InvalidRecordError
+from ._port import EtcdPort
+from ._settings import Settings
+
+__all__ = ["deregister", "drain", "undrain"]
+
+log = logging.getLogger(__name__)
+
+
+def deregister(
+    engine_id: str,
+    settings: Settings | None = None,
+    *,
+    connection: Connection | None = None,
+) -> int | None:
+    """Remove an engine's record from outside its process (an operator's action).
+
+    Revokes the lease the record is bound to when that lease holds no other key, else
+    deletes this key only (a lease shared by a ``Session``'s engines stays). Returns the
+    revoked lease id; 0 when no lease was revoked (the key had none, or shared one); None
+    when no such engine is registered. A live registrar writes its record again (that is
+    its self-healing): stop the engine to remove it for good. Uses ``connection`` if
+    given, else one built from ``settings``.
+    """
+    conn: EtcdPort = connection if connection is not None else Connection(settings)
+    key = conn.settings.keyspace.key(engine_id)
+    try:
+        found = conn.call(lambda: conn.get(key))
+        if found is None:
+            return None
+        lease = found.lease
+        if not lease:
+            conn.call(lambda: conn.delete(key))
+            return 0
+        shared = [k for k in conn.call(lambda: conn.lease_info(lease)).keys if k != found.key]
+        if shared:
+            conn.call(lambda: conn.delete_owned(key, lease))
+            log.info("deleted %s only: lease %016x holds %d other keys", key, lease, len(shared))
+            return 0
+        conn.call(lambda: conn.revoke(lease))
+        return lease
+    finally:
+        if connection is None:
+            conn.close()
+
+
+def drain(
+    engine_id: str,
+    timeout: float | None = None,
+    settings: Settings | None = None,
+    *,
+    connection: Connection | None = None,
+) -> EngineRecord | None:
+    """Mark a live engine ``draining``: routers stop picking it, its requests finish.
+
+    With ``timeout``, the record carries ``drain_deadline`` = now + ``timeout`` and the
+    engine's registrar revokes its lease then; without, the engine stays registered and
+    draining until ``undrain`` (maintenance). Returns the record as written (unchanged if
+    it was already so), or None when no such engine is registered. Raises
+    RecordDecodeError when the stored value does not decode.
+    """
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
+    ):
+        raise InvalidRecordError(f"drain timeout must be >= 0 seconds, got {timeout!r}")
+    deadline = None if timeout is None else datetime.now(UTC) + timedelta(seconds=timeout)
+    return _rewrite(
+        engine_id,
+        lambda record: replace(record, status=EngineStatus.DRAINING, drain_deadline=deadline),
+        settings,
+        connection,
+    )
+
+
+def undrain(
+    engine_id: str,
+    settings: Settings | None = None,
+    *,
+    connection: Connection | None = None,
+) -> EngineRecord | None:
+    """Put a ``draining`` engine back to ``ready`` (its drain deadline is cancelled).
+
+    A ``ready`` or ``starting`` engine is left as it is. Returns the record as it is
+    now, or None when no such engine is registered.
+    """
+    return _rewrite(
+        engine_id,
+        lambda record: (
+            replace(record, status=EngineStatus.READY, drain_deadline=None)
+            if record.status is EngineStatus.DRAINING
+            else record
+        ),
+        settings,
+        connection,
+    )
+
+
+def _rewrite(
+    engine_id: str,
+    change: Callable[[EngineRecord], EngineRecord],
+    settings: Settings | None,
+    connection: Connection | None,
+) -> EngineRecord | None:
+    """Apply ``change`` to the stored record, on its lease, by compare-and-swap."""
+    conn: EtcdPort = connection if connection is not None else Connection(settings)
+    keyspace = conn.settings.keyspace
+    key = keyspace.key(engine_id)
+    try:
+        while True:
+            found = conn.call(lambda: conn.get(key))
+            if found is None:
+                return None
+            record = keyspace.decode(found.key, found.value)
+            new = change(record)
+            if new == record:
+                return record
+            write = partial(
+                conn.update, key, encode(new), found.lease, mod_revision=found.mod_revision
+            )
+            result = conn.call(write)
+            if result.succeeded:
+                log.info("%s: status %s -> %s", engine_id, record.status, new.status)
+                return new
+            # Changed between the read and the write (its registrar, another operator).
+    finally:
+        if connection is None:
+            conn.close()
