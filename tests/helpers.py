@@ -129,6 +129,8 @@ class Registrar:
         self.process = subprocess.Popen(
             [
                 sys.executable,
+                "-X",
+                "faulthandler",  # a hang shows every thread's stack (see wait)
                 "-m",
                 "discovery",
                 "register",
@@ -161,7 +163,15 @@ class Registrar:
         self.process.send_signal(sig)
 
     def wait(self, timeout: float = 10.0) -> int:
-        return self.process.wait(timeout)
+        """The exit status; on a hang, fail with the output and every thread's stack."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGABRT)  # faulthandler prints all threads
+            self.process.wait(10)
+            raise AssertionError(
+                f"{self.engine_id} still running {timeout} s later:\n{self.output()[-8000:]}"
+            ) from None
 
     def output(self) -> str:
         self._log.seek(0)

@@ -86,7 +86,11 @@ def test_status_changes_are_updated_events_and_routers_pick_ready_engines(
 
             warm.set_status(EngineStatus.READY)
             table.wait_until(lambda snap: snap["warm"].ready, timeout=10)
-            assert (EventType.UPDATED, "warm", EngineStatus.READY) in events
+            # Listeners run on the store's dispatcher thread, just after the table applies.
+            wait_for(
+                lambda: (EventType.UPDATED, "warm", EngineStatus.READY) in events,
+                message="the updated event at the listener",
+            )
             held = [router.pick([1] * 8, 8) for _ in range(2)]
             assert {h.engine_id for h in held} == {"warm", "hot"}
 
