@@ -183,13 +183,14 @@ class Session:
                 return
             self._state = _State.CLOSED
             members = list(self._members.values())
+            # Not waiting for a repair in flight (it may be stuck on an unreachable etcd
+            # for request timeouts): from now on it cannot take a lease (_take_lease sees
+            # CLOSED and revokes what it granted), so this is the last lease to revoke.
+            lease_id, self._lease_id = self._lease_id, None
         _live_sessions.discard(self)
         self._keeper.cancel(self)
         for member in members:
             member._session_closed()
-        with self._op_lock:  # a repair in flight finishes first
-            lease_id = self._lease_id
-            self._lease_id = None
         self._keeper.track_lease(self, lease_id, None)
         try:
             if lease_id is not None:
