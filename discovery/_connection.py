@@ -39,7 +39,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import etcd3
 import etcd3.exceptions as etcd3_exc
@@ -199,6 +199,25 @@ def _token_expired(exc: BaseException) -> bool:
 def _compacted(exc: BaseException) -> bool:
     rpc = _rpc_error(exc)
     return rpc is not None and rpc.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+class _Range(NamedTuple):
+    """One page's Range request: keys from ``start`` (inclusive) to ``end``."""
+
+    start: bytes
+    end: bytes
+    limit: int
+    revision: int  # 0: the current revision (the first page)
+
+
+def _compacted_as_such(read: Callable[[], Any]) -> Any:
+    """``read()``, with etcd's "revision compacted" raised as ``Compacted``."""
+    try:
+        return read()
+    except grpc.RpcError as exc:
+        if _compacted(exc):
+            raise Compacted(0) from exc
+        raise
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -453,32 +472,69 @@ class Connection:
     def _list_once(
         self, prefix: str, page_size: int, timeout: float | None
     ) -> tuple[int, list[KeyValue]]:
-        start = prefix.encode()
-        end = prefix_range_end(start)
-        revision = 0
-        found: list[KeyValue] = []
+        revision, found = 0, []
+        for page_revision, kvs in self.list_pages(prefix, page_size=page_size, timeout=timeout):
+            revision = page_revision
+            found.extend(kvs)
+        return revision, found
 
-        def read_page() -> Any:
-            def read(client: _Client) -> Any:
-                try:
-                    return client.get_range_response(
-                        start, end, limit=page_size, revision=revision or None
-                    )
-                except grpc.RpcError as exc:
-                    if _compacted(exc):
-                        raise Compacted(0) from exc
-                    raise
+    def list_pages(
+        self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
+    ) -> Iterator[tuple[int, list[KeyValue]]]:
+        """(revision, keys) per page of ``prefix``, every page read at the first's revision.
 
-            return self._attempt(read)
-
+        While the caller works on one page, the next is already on its way (an async
+        request), so decoding overlaps the network. Each page is retried for up to
+        ``timeout`` seconds; raises ``Compacted`` if the revision goes meanwhile.
+        """
+        request = _Range(prefix.encode(), prefix_range_end(prefix.encode()), page_size, 0)
+        page = self._range_page(request, timeout, None)
+        request = request._replace(revision=page.header.revision)
         while True:
-            page = self.call(read_page, timeout=timeout)
-            if not revision:
-                revision = page.header.revision
-            found.extend(map(_key_value, page.kvs))
-            if not page.more or not page.kvs:
-                return revision, found
-            start = page.kvs[-1].key + b"\0"
+            kvs = page.kvs
+            ahead = None
+            if page.more and kvs:
+                request = request._replace(start=kvs[-1].key + b"\0")
+                ahead = self._range_ahead(request)
+            yield request.revision, list(map(_key_value, kvs))
+            if not (page.more and kvs):
+                return
+            page = self._range_page(request, timeout, ahead)
+
+    def _range_ahead(self, request: _Range) -> Any:
+        """An async Range request for the next page, or None if it cannot be sent now."""
+        try:
+            client = self._current()
+            return client.kvstub.Range.future(
+                etcdrpc.RangeRequest(
+                    key=request.start,
+                    range_end=request.end,
+                    limit=request.limit,
+                    revision=request.revision,
+                ),
+                client.timeout,
+                credentials=client.call_credentials,
+                metadata=client.metadata,
+            )
+        except Exception:  # the synchronous read of _range_page retries and reports
+            return None
+
+    def _range_page(self, request: _Range, timeout: float | None, ahead: Any) -> Any:
+        """One page: the answer to ``ahead`` if it came, else a (retried) read now."""
+        if ahead is not None:
+            try:
+                return self._attempt(lambda _: _compacted_as_such(ahead.result))
+            except EtcdUnavailableError:
+                pass  # read again: python3-etcd3's own read benches a failing member
+        start, end, limit, revision = request
+        return self.call(
+            lambda: self._attempt(
+                lambda c: _compacted_as_such(
+                    lambda: c.get_range_response(start, end, limit=limit, revision=revision or None)
+                )
+            ),
+            timeout=timeout,
+        )
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""

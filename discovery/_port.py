@@ -206,6 +206,15 @@ class EtcdPort(Protocol):
         """Every key under ``prefix`` at one revision, read in pages: (revision, keys)."""
         ...
 
+    def list_pages(
+        self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
+    ) -> Iterator[tuple[int, list[KeyValue]]]:
+        """(revision, keys) per page of ``prefix``, every page at the first's revision.
+
+        Raises ``Compacted`` when that revision is compacted before the last page.
+        """
+        ...
+
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""
         ...

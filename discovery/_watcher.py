@@ -424,14 +424,16 @@ class EndpointWatcher:
         self._metrics.watcher_connected(self.prefix, True)
 
     def _relist(self) -> None:
-        # One attempt per page: this loop's own backoff retries, and reports, failures.
-        revision, kvs = self._conn.list_prefix(self.prefix, timeout=0)
+        # One attempt per page: this loop's own backoff retries, and reports, failures
+        # (a revision compacted between pages too). A page decodes while the next is read.
+        revision = 0
         entries: dict[str, Entry] = {}
-        for kv in kvs:
-            key = kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, kv.value)
-            if record is not None:
-                entries[record.engine_id] = Entry(key, record, kv.mod_revision)
+        for revision, kvs in self._conn.list_pages(self.prefix, timeout=0):  # noqa: B007
+            for kv in kvs:
+                key = kv.key.decode("utf-8", "backslashreplace")
+                record = self._decode(key, kv.value)
+                if record is not None:
+                    entries[record.engine_id] = Entry(key, record, kv.mod_revision)
         batch = self.store.replace(entries, revision)
         if self._listed.is_set():
             self._relists += 1
