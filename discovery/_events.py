@@ -296,19 +296,30 @@ class EngineEventReceiver:
         log.info("%s: listening for engine events on %s", self.engine_id, self._address)
         return self._address
 
+    def stop_receiving(self) -> Registration | None:
+        """Stop receiving engine events; returns the registration, if one was made.
+
+        A registration in progress completes first (within the dial timeout), so the
+        answer is final: a record already visible in etcd is never missed. The
+        registration stays up until ``close()``. Idempotent.
+        """
+        with self._lock:
+            thread, wake = self._thread, self._wake
+            self._thread = self._wake = None
+        if thread is not None and wake is not None:
+            os.write(wake[1], b"\0")
+            thread.join()
+            for fd in wake:
+                os.close(fd)
+        return self._registration
+
     def close(self) -> None:
         """Stop receiving and revoke the registration's lease (the key is gone). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            thread, wake = self._thread, self._wake
-        if thread is not None and wake is not None:
-            os.write(wake[1], b"\0")
-            thread.join()  # a registration in progress ends within the dial timeout
-            for fd in wake:
-                os.close(fd)
-        registration = self._registration
+        registration = self.stop_receiving()
         if registration is not None:
             registration.close()
         self._set_state(ReceiverState.CLOSED)

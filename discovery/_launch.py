@@ -276,7 +276,8 @@ class _Supervisor:
         return exit_status(returncode)
 
     def _stop_requested(self, sig: signal.Signals) -> int:
-        registration = self._receiver.registration
+        # A registration in flight completes first: its record may already be visible.
+        registration = self._receiver.stop_receiving()
         if registration is not None and self._drain_timeout > 0:
             log.info("%s: %s: draining for %g s", self._name, sig.name, self._drain_timeout)
             drain_and_close(registration, self._drain_timeout, self._drain_ends_early)

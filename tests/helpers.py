@@ -119,13 +119,35 @@ def run_cli(settings: Settings, *args: str, timeout: float = 30) -> subprocess.C
     )
 
 
+class ChildLog:
+    """A file that child processes write their output to, read by the test while they run.
+
+    A file, not a pipe: a chatty child must never block on a full pipe. Opened for
+    appending, and read through its own open file: with one shared file offset, the
+    reader's seek to the start let a child's line land over earlier lines (it lost the
+    launcher's "engine started" line once in CI).
+    """
+
+    def __init__(self) -> None:
+        fd, self._path = tempfile.mkstemp(prefix="discovery-test-", suffix=".log")
+        os.close(fd)
+        self.file = open(self._path, "ab")  # noqa: SIM115 - closed in close()
+
+    def read(self) -> str:
+        with open(self._path, "rb") as reader:
+            return reader.read().decode(errors="replace")
+
+    def close(self) -> None:
+        self.file.close()
+        os.unlink(self._path)
+
+
 class Registrar:
     """A ``discovery register`` subprocess, stopped by pid at the end of the test."""
 
     def __init__(self, settings: Settings, engine_id: str, ttl: float = 3.0, extra=()) -> None:
         self.engine_id = engine_id
-        # A file, not a pipe: a chatty child must never block on a full pipe.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self._log = ChildLog()
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -155,7 +177,7 @@ class Registrar:
                 *extra,
             ],
             env=cli_env(settings),
-            stdout=self._log,
+            stdout=self._log.file,
             stderr=subprocess.STDOUT,
         )
 
@@ -174,8 +196,7 @@ class Registrar:
             ) from None
 
     def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        return self._log.read()
 
     def stop(self) -> None:
         if self.process.poll() is None:
