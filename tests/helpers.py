@@ -122,24 +122,21 @@ def run_cli(settings: Settings, *args: str, timeout: float = 30) -> subprocess.C
 class ChildLog:
     """A file that child processes write their output to, read by the test while they run.
 
-    A file, not a pipe: a chatty child must never block on a full pipe. Opened for
-    appending, and read through its own open file: with one shared file offset, the
-    reader's seek to the start let a child's line land over earlier lines (it lost the
-    launcher's "engine started" line once in CI).
+    A file, not a pipe: a chatty child must never block on a full pipe. Read with
+    ``pread``, which leaves alone the file offset the children write at: a seek to the
+    start let a child's line land over earlier lines (it lost the launcher's "engine
+    started" line once in CI).
     """
 
     def __init__(self) -> None:
-        fd, self._path = tempfile.mkstemp(prefix="discovery-test-", suffix=".log")
-        os.close(fd)
-        self.file = open(self._path, "ab")  # noqa: SIM115 - closed in close()
+        self.file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
 
     def read(self) -> str:
-        with open(self._path, "rb") as reader:
-            return reader.read().decode(errors="replace")
+        fd = self.file.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def close(self) -> None:
         self.file.close()
-        os.unlink(self._path)
 
 
 class Registrar:
