@@ -545,10 +545,6 @@ class Connection:
         """A new lease of ``ttl`` seconds; its id."""
         return int(self._attempt(lambda c: c.lease(ttl).id))
 
-    def lease_ttl(self, lease_id: int) -> int:
-        """The lease's remaining TTL in seconds; <= 0 when it no longer exists."""
-        return int(self._attempt(lambda c: c.get_lease_info(lease_id).TTL))
-
     def lease_info(self, lease_id: int) -> LeaseInfo:
         """The lease's remaining TTL (<= 0 when gone) and the keys bound to it."""
         info = self._attempt(lambda c: c.get_lease_info(lease_id))

@@ -223,12 +223,8 @@ class EtcdPort(Protocol):
         """A new lease of ``ttl`` seconds; its id."""
         ...
 
-    def lease_ttl(self, lease_id: int) -> int:
-        """The lease's remaining TTL in seconds; <= 0 when it no longer exists."""
-        ...
-
     def lease_info(self, lease_id: int) -> LeaseInfo:
-        """The lease's remaining TTL and the keys bound to it."""
+        """The lease's remaining TTL (<= 0 when gone) and the keys bound to it."""
         ...
 
     def revoke(self, lease_id: int) -> None:

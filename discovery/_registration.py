@@ -465,8 +465,7 @@ class Registration:
                 return self._put(lease_id, value, replace=replace)
             holder = found.lease
             if not holder or holder not in (lease_id, self._lease_id):
-                remaining = conn.lease_ttl(holder) if holder else -1
-                raise EngineConflictError(self.engine_id, self.key, holder, remaining)
+                raise self._conflict(holder)
             result = conn.update(self.key, value, lease_id, mod_revision=found.mod_revision)
             if not result.succeeded:  # changed between the two transactions: look again
                 return self._put(lease_id, value, replace=replace)
@@ -479,6 +478,11 @@ class Registration:
         if holder and holder not in (lease_id, self._lease_id):
             log.warning("%s: replaced the record held by lease %016x", self.engine_id, holder)
         return result.revision
+
+    def _conflict(self, holder: int) -> EngineConflictError:
+        """The error for our key held by lease ``holder`` (0: a key without a lease)."""
+        remaining = self._conn.lease_info(holder).ttl if holder else -1
+        return EngineConflictError(self.engine_id, self.key, holder, remaining)
 
     def _publish(self) -> None:
         """Write the current record over our own key (compare on the revision we know)."""
@@ -526,8 +530,7 @@ class Registration:
             if found is None:
                 return False  # deleted between the compare and the read: next turn
             if found.lease not in (lease_id, self._lease_id):
-                remaining = self._conn.lease_ttl(found.lease) if found.lease else -1
-                conflict = EngineConflictError(self.engine_id, self.key, found.lease, remaining)
+                conflict = self._conflict(found.lease)
                 with self._lock:
                     self._last_error = str(conflict)
                     self._retry_at = time.monotonic() + self.ttl / 3  # no need to hurry

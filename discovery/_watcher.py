@@ -527,7 +527,9 @@ def list_engines(
                 continue
             if not record.matches(selector):
                 continue
-            ttl = conn.call(partial(conn.lease_ttl, kv.lease)) if lease_ttls and kv.lease else None
+            ttl = None
+            if lease_ttls and kv.lease:
+                ttl = conn.call(partial(conn.lease_info, kv.lease)).ttl
             engines.append(ListedEngine(record, kv.key.decode(), kv.mod_revision, kv.lease, ttl))
         return EngineListing(revision, tuple(engines), tuple(skipped))
     finally:
