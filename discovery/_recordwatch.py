@@ -16,8 +16,11 @@ One watch per connection: of the one key when the connection serves a single
 registration (the one-engine process: etcd sends it nothing about other engines), else of
 the namespace prefix (a process holding many registrations, typically through a
 ``Session``). Events for other keys are dropped unread. The watch resumes after an error
-from the last revision it delivered + 1; if that revision was compacted, it reads the
-range once and reports each owned key's current state (a resync), then watches again.
+from the last revision it delivered, whose events come again and change nothing (an owner
+ignores a revision it has seen). Not from the next one: etcd before 3.5.16 drops the
+tombstone of a delete made at exactly the compaction revision (etcd-io/etcd#18089), as
+``_watcher.py`` explains. If the resume revision was compacted, it reads the range once
+and reports each owned key's current state (a resync), then watches again.
 """
 
 from __future__ import annotations
@@ -117,9 +120,9 @@ class RecordWatch:
             delay = min(_BACKOFF_MAX, delay * 2)
 
     def _watch(self) -> None:
-        """Watch from the last delivered revision + 1 until the stream ends (it raises)."""
+        """Watch from the last delivered revision until the stream ends (it raises)."""
         stream = self._conn.open_watch(
-            self._range, self._revision + 1, heartbeat=_HEARTBEAT, progress_interval=_HEARTBEAT
+            self._range, self._revision, heartbeat=_HEARTBEAT, progress_interval=_HEARTBEAT
         )
         self._stream = stream
         try:

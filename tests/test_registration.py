@@ -40,6 +40,7 @@ from .helpers import (
     get_kv,
     losses_after_a_mass_loss,
     make_endpoint,
+    raw_call,
     stall,
     wait_for,
 )
@@ -337,6 +338,36 @@ def test_lease_expired_while_partitioned_is_replaced_by_a_new_one(etcd3) -> None
         kv = wait_for(lambda: get_kv(others, reg.key), timeout=2, message="re-registration")
         assert kv["lease"] != old_lease
         assert reg.state is RegistrationState.REGISTERED
+
+
+def test_a_delete_at_the_compaction_revision_still_brings_the_record_back(etcd3) -> None:
+    """An operator deletes the record while the registrar's member is down, and etcd is
+    compacted at exactly that delete (etcd before 3.5.16 then drops its tombstone,
+    etcd-io/etcd#18089). The record watch resumes from the last revision it delivered,
+    so the compaction makes it read the key again instead of missing the delete."""
+    member = etcd3.members[0]
+    lonely = Settings(endpoints=[member.client_url], namespace="tombstone", dial_timeout=10)
+    others = Settings(
+        endpoints=[m.client_url for m in etcd3.members[1:]], namespace="tombstone", dial_timeout=15
+    )
+    conn = Connection(others)
+    try:
+        with register_engine(make_endpoint(), engine_id="e0", ttl=30, settings=lonely) as reg:
+            written = get_kv(others.endpoints, reg.key)["mod_revision"]
+            member.stop(kill=True)
+            deleted = raw_call(conn, lambda c: c.delete(reg.key, return_response=True))
+            revision = deleted.header.revision
+            assert revision == written + 1, "the delete is not the record watch's next revision"
+            raw_call(conn, lambda c: c.compact(revision, physical=True))
+            member.start()
+            etcd3.wait_healthy(members=[member])
+            kv = wait_for(
+                lambda: get_kv(others.endpoints, reg.key), timeout=15, message="the record back"
+            )
+            assert kv["lease"] == reg.lease_id
+            assert reg.health().losses == 1
+    finally:
+        conn.close()
 
 
 def test_killing_the_connected_member_keeps_the_record(etcd3) -> None:
