@@ -65,9 +65,9 @@ import hashlib
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from ._codec import EngineRecord
 
@@ -95,6 +95,7 @@ _SEED_PERSON = b"discovery/rdv"  # BLAKE2b personalisation: these digests mean n
 _BLOCK_PERSON = b"discovery/block"
 _SCORE = attrgetter("_score")
 _IN_FLIGHT = attrgetter("in_flight")
+_KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -249,6 +250,29 @@ def _check_load_factor(load_factor: float | None) -> float | None:
     return None if load_factor is None else float(load_factor)
 
 
+S = TypeVar("S")
+
+
+class _PerCandidateSet(Generic[S]):
+    """What a policy derives from a candidate set, kept per set.
+
+    A router reuses one set per selector and fit across picks, and picks for different
+    models (selectors) alternate: derived once per set, not at every switch.
+    """
+
+    def __init__(self, derive: Callable[[Sequence[Candidate]], S]) -> None:
+        self._derive = derive
+        self._kept: dict[int, tuple[Sequence[Candidate], S]] = {}
+
+    def __call__(self, candidates: Sequence[Candidate]) -> S:
+        kept = self._kept.get(id(candidates))
+        if kept is None or kept[0] is not candidates:  # holding the set keeps its id its own
+            if len(self._kept) >= _KEPT_SETS:
+                self._kept.clear()  # sets of older tables: a router rebuilds its own
+            kept = self._kept[id(candidates)] = (candidates, self._derive(candidates))
+        return kept[1]
+
+
 def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: int) -> float:
     """``c * (T + 1) / C``: engine ``e`` is under its bound iff ``in_flight < scale * cap``.
 
@@ -309,25 +333,21 @@ class FirstPrefixBlockPolicy(Policy):
     def __init__(self, *, load_factor: float | None = DEFAULT_LOAD_FACTOR) -> None:
         self.load_factor = _check_load_factor(load_factor)
         self._balance = LoadBalancedPolicy()
-        self._pool: Sequence[Candidate] = ()
-        self._block_size = 0
-        self._seeds: list[int] = []
-        self._capacity = 0
+        self._prepared = _PerCandidateSet(self._prepare)
         self._warned: set[tuple[int, ...]] = set()
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate | Choice:
         """The first candidate in the first block's rendezvous order that is under its bound."""
-        if candidates is not self._pool:
-            self._prepare(candidates)
+        block_size, seeds, capacity = self._prepared(candidates)
         tokens = request.prompt_tokens
-        if len(tokens) < self._block_size:
+        if len(tokens) < block_size:
             return Choice(self._balance.least_loaded(candidates), RoutingPolicy.LOAD_BALANCED)
-        key = _first_block_key(tokens, self._block_size)
-        scores = [((key ^ seed) * _MIX) & _MASK64 for seed in self._seeds]
+        key = _first_block_key(tokens, block_size)
+        scores = [((key ^ seed) * _MIX) & _MASK64 for seed in seeds]
         chosen = candidates[scores.index(max(scores))]
         if self.load_factor is None or len(candidates) == 1:
             return chosen
-        scale = _bound_scale(candidates, self.load_factor, self._capacity)
+        scale = _bound_scale(candidates, self.load_factor, capacity)
         if chosen.in_flight < scale * chosen.capacity:
             return chosen
         # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
@@ -338,7 +358,8 @@ class FirstPrefixBlockPolicy(Policy):
             chosen,
         )
 
-    def _prepare(self, candidates: Sequence[Candidate]) -> None:
+    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, list[int], int]:
+        """The hashed block size (the smallest), each candidate's seed, their capacity."""
         sizes = sorted({c.block_size for c in candidates})
         if len(sizes) > 1 and tuple(sizes) not in self._warned:
             self._warned.add(tuple(sizes))
@@ -348,10 +369,7 @@ class FirstPrefixBlockPolicy(Policy):
                 sizes,
                 sizes[0],
             )
-        self._pool = candidates
-        self._block_size = sizes[0]
-        self._seeds = [c._seed for c in candidates]
-        self._capacity = sum(c.capacity for c in candidates)
+        return sizes[0], [c._seed for c in candidates], sum(c.capacity for c in candidates)
 
 
 class _PrefixIndex:
@@ -441,19 +459,15 @@ class LongestPrefixPolicy(Policy):
         self.prefix_index_blocks = prefix_index_blocks
         self._index = _PrefixIndex()
         self._balance = LoadBalancedPolicy()
-        self._pool: Sequence[Candidate] = ()
-        self._by_block: dict[int, frozenset[str]] = {}
-        self._by_id: dict[str, Candidate] = {}
-        self._capacity = 0
+        self._prepared = _PerCandidateSet(self._prepare)
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
         """The best-matching candidate if under its bound and the gap, else the least loaded."""
-        if candidates is not self._pool:
-            self._prepare(candidates)
+        by_block, by_id, capacity = self._prepared(candidates)
         chains: dict[int, list[int]] = {}
         best_tokens = 0
         holders: set[str] = set()
-        for size, ids in self._by_block.items():
+        for size, ids in by_block.items():
             chain = chains[size] = _block_hashes(request.prompt_tokens, size)
             blocks, owners = self._index.longest(chain, ids)
             if blocks * size > best_tokens:
@@ -461,12 +475,13 @@ class LongestPrefixPolicy(Policy):
         least = self._balance.least_loaded(candidates)
         chosen, policy = least, RoutingPolicy.LOAD_BALANCED
         if holders:
-            best = min(map(self._by_id.__getitem__, holders), key=lambda c: (c._score, c.engine_id))
+            best = min(map(by_id.__getitem__, holders), key=lambda c: (c._score, c.engine_id))
             gap = best.in_flight / best.capacity - least.in_flight / least.capacity
-            bounded = self.load_factor is None or best.in_flight < best.capacity * _bound_scale(
-                candidates, self.load_factor, self._capacity
-            )
-            if gap <= self.load_gap and bounded:
+            if gap <= self.load_gap and (
+                self.load_factor is None
+                or best.in_flight
+                < best.capacity * _bound_scale(candidates, self.load_factor, capacity)
+            ):
                 chosen, policy = best, RoutingPolicy.LONGEST_PREFIX
         # total_kv_blocks=0 means not advertised: then the option alone bounds the index.
         limit = chosen.record.endpoint.capabilities.total_kv_blocks or self.prefix_index_blocks
@@ -478,11 +493,16 @@ class LongestPrefixPolicy(Policy):
         """Drop the remembered blocks of ``engine_id``."""
         self._index.forget(engine_id)
 
-    def _prepare(self, candidates: Sequence[Candidate]) -> None:
+    @staticmethod
+    def _prepare(
+        candidates: Sequence[Candidate],
+    ) -> tuple[dict[int, frozenset[str]], dict[str, Candidate], int]:
+        """The candidates' ids per block size, the candidates by id, their capacity."""
         by_block: dict[int, set[str]] = {}
         for c in candidates:
             by_block.setdefault(c.block_size, set()).add(c.engine_id)
-        self._pool = candidates
-        self._by_block = {size: frozenset(ids) for size, ids in by_block.items()}
-        self._by_id = {c.engine_id: c for c in candidates}
-        self._capacity = sum(c.capacity for c in candidates)
+        return (
+            {size: frozenset(ids) for size, ids in by_block.items()},
+            {c.engine_id: c for c in candidates},
+            sum(c.capacity for c in candidates),
+        )
