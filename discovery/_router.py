@@ -408,7 +408,7 @@ class Router:
         if not fenced:
             return engines
         unfenced = tuple(e for e in engines if e.engine_id not in fenced)
-        if unfenced and len(engines) - len(unfenced) <= self._fences.max_share * len(engines):
+        if unfenced and len(engines) - len(unfenced) <= self._fences.limit(len(engines)):
             return unfenced
         self._warn_once(
             (key, frozenset(fenced)),
