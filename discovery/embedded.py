@@ -110,6 +110,36 @@ def _dying_with_parent(command: list[str]) -> list[str]:
     return [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command]
 
 
+def _spawn(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``command`` (dying with this process), its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            _dying_with_parent(command),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _stop(process: subprocess.Popen[bytes] | None, *, kill: bool, timeout: float) -> None:
+    """SIGTERM (or SIGKILL with ``kill``) a running ``process``; SIGKILL after ``timeout``."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _log_tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class ServerTLS:
     """TLS files for the members' client port; ``client_cert_auth`` requires client certs."""
@@ -195,25 +225,11 @@ class EtcdMember:
         """Start the process (keeping its data directory) without waiting for health."""
         if self.running:
             return
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                _dying_with_parent(self._command()),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        self.process = _spawn(self._command(), self.log_path)
 
     def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
         """Stop the process: SIGTERM (or SIGKILL with ``kill``), then wait for it."""
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(self.process, kill=kill, timeout=timeout)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether the member answers /health with a leader present."""
@@ -222,10 +238,7 @@ class EtcdMember:
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of this member's log, for error messages."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return _log_tail(self.log_path, lines)
 
 
 class EtcdCluster:
@@ -438,19 +451,13 @@ class EtcdGrpcProxy:
             "--data-dir", str(Path(self.base_dir) / "data"),
             *self.extra_args,
         ]  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                _dying_with_parent(command),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        self.process = _spawn(command, self.log_path)
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.pid is None or time.monotonic() > deadline:
-                tail = self.log_path.read_text(errors="replace").splitlines()[-20:]
                 self.stop()
-                raise EtcdStartError("etcd grpc-proxy did not become healthy:\n" + "\n".join(tail))
+                tail = _log_tail(self.log_path, 20)
+                raise EtcdStartError(f"etcd grpc-proxy did not become healthy:\n{tail}")
             time.sleep(0.05)
         return self
 
@@ -460,20 +467,7 @@ class EtcdGrpcProxy:
 
     def stop(self, *, kill: bool = True) -> None:
         """Stop the proxy process (SIGKILL by default); its port and directory stay."""
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    def restart(self) -> None:
-        """Kill the proxy and start it again on the same port."""
-        self.stop()
-        self.start()
+        _stop(self.process, kill=kill, timeout=10)
 
     def close(self) -> None:
         """Stop the proxy and remove its directory. Idempotent."""
