@@ -17,7 +17,7 @@ import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -162,6 +162,13 @@ def validate_status(status: object) -> EngineStatus:
     except ValueError:
         names = ", ".join(s.value for s in EngineStatus)
         raise InvalidRecordError(f"status {status!r} is not one of {names}") from None
+
+
+def drain_deadline_after(timeout: object) -> datetime:
+    """The drain deadline ``timeout`` seconds from now, or InvalidRecordError naming it."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+        raise InvalidRecordError(f"drain timeout must be >= 0 seconds, got {timeout!r}")
+    return datetime.now(UTC) + timedelta(seconds=timeout)
 
 
 def _checked_status(status: object, deadline: object) -> tuple[EngineStatus, datetime | None]:

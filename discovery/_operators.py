@@ -15,12 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
 from functools import partial
 
-from ._codec import EngineRecord, EngineStatus, encode
+from ._codec import EngineRecord, EngineStatus, drain_deadline_after, encode
 from ._connection import Connection
-from ._errors import InvalidRecordError
 from ._port import EtcdPort
 from ._settings import Settings
 
@@ -81,11 +79,7 @@ def drain(
     it was already so), or None when no such engine is registered. Raises
     RecordDecodeError when the stored value does not decode.
     """
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
-    ):
-        raise InvalidRecordError(f"drain timeout must be >= 0 seconds, got {timeout!r}")
-    deadline = None if timeout is None else datetime.now(UTC) + timedelta(seconds=timeout)
+    deadline = None if timeout is None else drain_deadline_after(timeout)
     return _rewrite(
         engine_id,
         lambda record: replace(record, status=EngineStatus.DRAINING, drain_deadline=deadline),

@@ -37,10 +37,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from ._codec import EngineRecord, EngineStatus, encode, validate_engine_id, validate_status
+from ._codec import (
+    EngineRecord,
+    EngineStatus,
+    drain_deadline_after,
+    encode,
+    validate_engine_id,
+    validate_status,
+)
 from ._connection import Connection
 from ._dispatch import Listeners
 from ._endpoint import DynamicEngineLike, InferenceEngineEndpoint
@@ -49,7 +56,6 @@ from ._errors import (
     ConfigurationError,
     DiscoveryError,
     EngineConflictError,
-    InvalidRecordError,
     RecordDecodeError,
 )
 from ._lease import LeaseKeeper
@@ -287,9 +293,7 @@ class Registration:
         at ``close()`` if that comes first. ``timeout`` 0 closes at once. Raises like
         ``update()``; the deadline holds either way.
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-            raise InvalidRecordError(f"drain timeout must be >= 0 seconds, got {timeout!r}")
-        deadline = datetime.now(UTC) + timedelta(seconds=timeout)
+        deadline = drain_deadline_after(timeout)
         try:
             self._change(
                 lambda record: replace(
