@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -29,12 +28,11 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from ._errors import ConfigurationError
 from ._events import EngineEventReceiver, ReceiverState
-from ._signals import drain_and_close
+from ._signals import StopSignals, drain_and_close
 
 __all__ = ["PLACEHOLDER", "launch"]
 
@@ -44,8 +42,6 @@ PLACEHOLDER = "{event_address}"
 EXIT_FAILURE = 1
 EXIT_CANNOT_EXECUTE = 126  # the shell's statuses for a command that cannot run
 EXIT_NOT_FOUND = 127
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_LOOK_AGAIN = b"\0"  # not a signal number
 _GUARD = Path(__file__).with_name("_guard.py")
 
 
@@ -78,42 +74,6 @@ def check_command(command: Sequence[str]) -> None:
             "address of the engine-event socket (Megatron: --dynamo-parent-event-address "
             f"{PLACEHOLDER})"
         )
-
-
-class _Wakeups:
-    """The one pipe the main thread waits on: caught signals (their numbers) and notes."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._write, False)
-        self._previous: dict[int, Any] = {}
-        for sig in _STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._caught)
-        self._previous_fd = signal.set_wakeup_fd(self._write)
-
-    @staticmethod
-    def _caught(signum: int, frame: FrameType | None) -> None:
-        """Caught, not fatal: the number reaches the pipe through the wakeup fd."""
-
-    def note(self) -> None:
-        """Wake the main thread to look again (any thread)."""
-        with contextlib.suppress(BlockingIOError):  # full: a wakeup is pending anyway
-            os.write(self._write, _LOOK_AGAIN)
-
-    def wait(self, timeout: float | None) -> list[signal.Signals]:
-        """Block until a wakeup or ``timeout``; returns the stop signals caught."""
-        readable, _, _ = select.select([self._read], [], [], timeout)
-        if not readable:
-            return []
-        return [signal.Signals(b) for b in os.read(self._read, 512) if b in _STOP_SIGNALS]
-
-    def close(self) -> None:
-        """Restore the signal handlers and the wakeup fd as they were."""
-        signal.set_wakeup_fd(self._previous_fd)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        os.close(self._read)
-        os.close(self._write)
 
 
 class _Guard:
@@ -166,7 +126,7 @@ def launch(
     if not drain_timeout >= 0:
         raise ConfigurationError(f"drain timeout must be >= 0 seconds, got {drain_timeout}")
     receiver = EngineEventReceiver(host=event_host, **register)
-    wakeups = _Wakeups()
+    wakeups = StopSignals()
     try:
         receiver.subscribe(lambda state: wakeups.note())
         argv = with_event_address(command, receiver.start())
@@ -210,7 +170,7 @@ class _Supervisor:
         self,
         child: subprocess.Popen[bytes],
         receiver: EngineEventReceiver,
-        wakeups: _Wakeups,
+        wakeups: StopSignals,
         *,
         ready_timeout: float | None,
         stop_timeout: float,
@@ -289,11 +249,9 @@ class _Supervisor:
 
     def _drain_ends_early(self, seconds: float) -> bool:
         """Wait out a drain; True (revoke now) on a second signal or the engine's exit."""
-        ends = time.monotonic() + seconds
-        while (left := ends - time.monotonic()) > 0:
-            if self._wakeups.wait(left) or self._child.returncode is not None:
-                return True
-        return False
+        return self._wakeups.signalled_within(
+            seconds, or_when=lambda: self._child.returncode is not None
+        )
 
     def _stop_child(self, sig: signal.Signals) -> int:
         """Signal the group, SIGKILL it after the stop timeout (or a second signal)."""

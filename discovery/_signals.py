@@ -10,21 +10,79 @@ as it would have without a drain. A second signal revokes at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._errors import DiscoveryError
 
-__all__ = ["deregister_on_signals", "drain_and_close"]
+__all__ = ["StopSignals", "deregister_on_signals", "drain_and_close"]
 
 log = logging.getLogger(__name__)
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_LOOK_AGAIN = b"\0"  # not a signal number
+
+
+class StopSignals:
+    """From construction on, SIGTERM and SIGINT are caught into a pipe the main thread waits on.
+
+    A plain ``Event.wait()`` in the main thread can sleep through a signal: the OS may
+    hand it to one of gRPC's threads, and Python only runs handlers when the main thread
+    runs bytecode. CPython writes every caught signal's number to the wakeup fd from
+    whichever thread receives it, so a wait on that pipe always wakes up; other threads
+    wake it with ``note()``. Used by the ``discovery`` commands and ``launch()``.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous: dict[int, Any] = {}
+        for sig in _STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._caught)
+        self._previous_fd = signal.set_wakeup_fd(self._write)
+
+    @staticmethod
+    def _caught(signum: int, frame: FrameType | None) -> None:
+        """Caught, not fatal: the number reaches the pipe through the wakeup fd."""
+
+    def note(self) -> None:
+        """Wake the main thread to look again (any thread)."""
+        with contextlib.suppress(BlockingIOError):  # full: a wakeup is pending anyway
+            os.write(self._write, _LOOK_AGAIN)
+
+    def wait(self, timeout: float | None) -> list[signal.Signals]:
+        """Block until a wakeup or ``timeout``; returns the stop signals caught."""
+        readable, _, _ = select.select([self._read], [], [], timeout)
+        if not readable:
+            return []
+        return [signal.Signals(b) for b in os.read(self._read, 512) if b in _STOP_SIGNALS]
+
+    def signalled_within(
+        self, seconds: float, *, or_when: Callable[[], bool] = lambda: False
+    ) -> bool:
+        """Wait up to ``seconds``: True as soon as a stop signal comes (or ``or_when()``)."""
+        ends = time.monotonic() + seconds
+        while (left := ends - time.monotonic()) > 0:
+            if self.wait(left) or or_when():
+                return True
+        return False
+
+    def close(self) -> None:
+        """Restore the signal handlers and the wakeup fd as they were."""
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        os.close(self._read)
+        os.close(self._write)
 
 
 class _Closable(Protocol):

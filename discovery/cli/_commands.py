@@ -8,16 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import select
-import signal
 import sys
-import time
 
 from .._codec import EngineRecord, validate_labels
 from .._operators import deregister, drain, undrain
 from .._registration import RegistrationState, register_engine
-from .._signals import drain_and_close
+from .._signals import StopSignals, drain_and_close
 from .._store import EndpointEvent
 from .._watcher import EndpointWatcher, ListedEngine, list_engines
 from ._args import (
@@ -31,41 +27,6 @@ from ._args import (
 log = logging.getLogger("discovery.cli")
 
 EXIT_FAILURE = 1
-
-
-class StopSignals:
-    """From construction on, catch SIGTERM and SIGINT; ``wait()`` returns once one came.
-
-    A plain ``Event.wait()`` in the main thread can sleep through a signal: the OS may
-    hand it to one of gRPC's threads, and Python only runs handlers when the main thread
-    runs bytecode. CPython writes every caught signal to the wakeup fd from whichever
-    thread receives it, so a read on that fd always wakes up.
-    """
-
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    _WAKE = 0  # never a signal number: wake() writes it
-
-    def __init__(self) -> None:
-        self._read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        self._write_fd = write_fd
-        for sig in self._SIGNALS:
-            signal.signal(sig, lambda *_: None)  # caught (not fatal); handled by wait()
-        signal.set_wakeup_fd(write_fd)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until SIGTERM or SIGINT arrives, or ``wake()``: True; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._read_fd], [], [], left)[0]:
-                return False
-            if os.read(self._read_fd, 1)[0] in (*self._SIGNALS, self._WAKE):
-                return True
-
-    def wake(self) -> None:
-        """Make ``wait()`` return (from any thread)."""
-        os.write(self._write_fd, bytes([self._WAKE]))
 
 
 # -- register / deregister ----------------------------------------------------------------
@@ -100,17 +61,18 @@ def cmd_register(args: argparse.Namespace) -> int:
         if state is RegistrationState.REGISTERED:
             log.info("%s registered again after losing its lease", registration.engine_id)
         elif state is RegistrationState.CLOSED:
-            stop.wake()  # a drain's deadline passed (an operator's `discovery drain`)
+            stop.note()  # a drain's deadline passed (an operator's `discovery drain`)
 
     registration.subscribe(on_state)
-    stop.wait()
+    while registration.state is not RegistrationState.CLOSED and not stop.wait(None):
+        pass
     if registration.state is RegistrationState.CLOSED:
         registration.close()  # waits for the revoke the drain deadline started
         log.info("%s drained and deregistered; exiting", registration.engine_id)
         return 0
     if args.drain_timeout > 0:
         log.info("%s: draining for %g s", registration.engine_id, args.drain_timeout)
-    drain_and_close(registration, args.drain_timeout, stop.wait)  # a 2nd signal: at once
+    drain_and_close(registration, args.drain_timeout, stop.signalled_within)  # 2nd: at once
     log.info("deregistered %s; exiting", registration.engine_id)
     return 0
 
@@ -263,6 +225,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         print(format_event(event, args.format), flush=True)
 
     watcher.subscribe(emit)
-    stop.wait()
+    while not stop.wait(None):
+        pass
     watcher.stop()
     return 0
