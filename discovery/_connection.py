@@ -33,6 +33,7 @@ engines. It owns:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import random
@@ -69,6 +70,7 @@ from ._port import (
     MAX_BATCH,
     PAGE_SIZE,
     Compacted,
+    EtcdPort,
     KeyValue,
     LeaseGone,
     LeaseInfo,
@@ -673,6 +675,19 @@ class Connection:
     def open_keepalive(self) -> _KeepAliveStream:
         """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
+
+
+@contextlib.contextmanager
+def connection_for(connection: EtcdPort | None, settings: Settings | None) -> Iterator[EtcdPort]:
+    """``connection`` if given, else a new one from ``settings``, closed when the block ends."""
+    if connection is not None:
+        yield connection
+        return
+    conn = Connection(settings)
+    try:
+        yield conn
+    finally:
+        conn.close()
 
 
 def _read(path: str | None) -> bytes | None:

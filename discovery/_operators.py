@@ -18,8 +18,7 @@ from dataclasses import replace
 from functools import partial
 
 from ._codec import EngineRecord, EngineStatus, drain_deadline_after, encode
-from ._connection import Connection
-from ._port import EtcdPort
+from ._connection import Connection, connection_for
 from ._settings import Settings
 
 __all__ = ["deregister", "drain", "undrain"]
@@ -42,9 +41,8 @@ def deregister(
     its self-healing): stop the engine to remove it for good. Uses ``connection`` if
     given, else one built from ``settings``.
     """
-    conn: EtcdPort = connection if connection is not None else Connection(settings)
-    key = conn.settings.keyspace.key(engine_id)
-    try:
+    with connection_for(connection, settings) as conn:
+        key = conn.settings.keyspace.key(engine_id)
         found = conn.call(lambda: conn.get(key))
         if found is None:
             return None
@@ -59,9 +57,6 @@ def deregister(
             return 0
         conn.call(lambda: conn.revoke(lease))
         return lease
-    finally:
-        if connection is None:
-            conn.close()
 
 
 def drain(
@@ -118,10 +113,9 @@ def _rewrite(
     connection: Connection | None,
 ) -> EngineRecord | None:
     """Apply ``change`` to the stored record, on its lease, by compare-and-swap."""
-    conn: EtcdPort = connection if connection is not None else Connection(settings)
-    keyspace = conn.settings.keyspace
-    key = keyspace.key(engine_id)
-    try:
+    with connection_for(connection, settings) as conn:
+        keyspace = conn.settings.keyspace
+        key = keyspace.key(engine_id)
         while True:
             found = conn.call(lambda: conn.get(key))
             if found is None:
@@ -138,6 +132,3 @@ def _rewrite(
                 log.info("%s: status %s -> %s", engine_id, record.status, new.status)
                 return new
             # Changed between the read and the write (its registrar, another operator).
-    finally:
-        if connection is None:
-            conn.close()

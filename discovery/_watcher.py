@@ -56,7 +56,7 @@ from types import MappingProxyType
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
 from ._codec import EngineRecord, KeySpace, RecordView
-from ._connection import Connection
+from ._connection import Connection, connection_for
 from ._dispatch import Dispatcher
 from ._errors import (
     ClosedError,
@@ -513,9 +513,8 @@ def list_engines(
     returned in ``skipped``. Uses ``connection`` if given, else one built from
     ``settings`` (default: ``Settings.from_env()``) and closed before returning.
     """
-    conn = connection if connection is not None else Connection(settings)
-    keyspace = conn.settings.keyspace
-    try:
+    with connection_for(connection, settings) as conn:
+        keyspace = conn.settings.keyspace
         revision, kvs = conn.list_prefix(keyspace.prefix)
         engines = []
         skipped = []
@@ -532,9 +531,6 @@ def list_engines(
                 ttl = conn.call(partial(conn.lease_info, kv.lease)).ttl
             engines.append(ListedEngine(record, kv.key.decode(), kv.mod_revision, kv.lease, ttl))
         return EngineListing(revision, tuple(engines), tuple(skipped))
-    finally:
-        if connection is None:
-            conn.close()
 
 
 def _cause(exc: BaseException) -> str:
