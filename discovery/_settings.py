@@ -103,15 +103,7 @@ class Settings:
         except InvalidRecordError as exc:
             raise ConfigurationError(str(exc)) from exc
         for name in ("dial_timeout", "request_timeout", "election_timeout"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ConfigurationError(f"{name} must be a positive number of seconds")
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, positive_seconds(name, getattr(self, name)))
         self._check_tls(tls=secure == {True})
         if self.password is not None and self.password_file is not None:
             raise ConfigurationError("give password or password_file, not both")
@@ -214,6 +206,18 @@ class Settings:
                 value = "***"
             parts.append(f"{f.name}={value!r}")
         return f"Settings({', '.join(parts)})"
+
+
+def positive_seconds(name: str, value: object, *, finite: bool = True) -> float:
+    """``value`` as seconds if it is a positive (``finite``) number, else ConfigurationError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+        or (finite and not math.isfinite(value))
+    ):
+        raise ConfigurationError(f"{name} must be a positive number of seconds")
+    return float(value)
 
 
 def env_names() -> dict[str, str]:

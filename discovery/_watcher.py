@@ -60,7 +60,6 @@ from ._connection import Connection, connection_for
 from ._dispatch import Dispatcher
 from ._errors import (
     ClosedError,
-    ConfigurationError,
     DiscoveryError,
     EtcdUnavailableError,
     RecordDecodeError,
@@ -75,7 +74,7 @@ from ._port import (
     WatchStream,
     explain,
 )
-from ._settings import Settings
+from ._settings import Settings, positive_seconds
 from ._staleness import Freshness, default_stale_after
 from ._store import Batch, Change, EndpointEvent, EngineStore, Entry
 
@@ -159,10 +158,8 @@ class EndpointWatcher:
         metrics: MetricsHooks | None = None,
     ) -> None:
         for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ConfigurationError(f"{name} must be a positive number of seconds")
+            if value is not None:
+                positive_seconds(name, value, finite=False)
         self._metrics = metrics or NO_METRICS
         self._owns_connection = connection is None
         if connection is None:
