@@ -33,6 +33,24 @@ def prefix_range_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
+def _take(page, table: dict) -> bytes | None:
+    """Decode a Range page into ``table``; the next page's first key, None after the last."""
+    for kv in page.kvs:
+        table[kv.key] = json.loads(kv.value)
+    return page.kvs[-1].key + b"\0" if page.more else None
+
+
+def _raw_read(client, prefix: bytes) -> dict:
+    """Every value under ``prefix``, python3-etcd3 paged at one revision, JSON-decoded."""
+    end = prefix_range_end(prefix)
+    start, revision, table = prefix, None, {}
+    while start is not None:
+        page = client.get_range_response(start, end, limit=PAGE, revision=revision)
+        revision = revision or page.header.revision
+        start = _take(page, table)
+    return table
+
+
 # -- the contenders (each in its own worker process) ---------------------------------------
 
 
@@ -52,16 +70,8 @@ def sync_raw(url: str, prefix: bytes) -> tuple[int, float]:
 
     client = etcd3.client(*host_port(url))
     try:
-        end = prefix_range_end(prefix)
-        start, revision, table = prefix, None, {}
-        while True:
-            page = client.get_range_response(start, end, limit=PAGE, revision=revision)
-            revision = revision or page.header.revision
-            for kv in page.kvs:
-                table[kv.key] = json.loads(kv.value)
-            if not page.more:
-                return len(table), time.perf_counter()
-            start = page.kvs[-1].key + b"\0"
+        table = _raw_read(client, prefix)
+        return len(table), time.perf_counter()
     finally:
         client.close()
 
@@ -73,17 +83,14 @@ async def sync_aetcd(url: str, prefix: bytes) -> tuple[int, float]:
     async with aetcd.Client(host, port) as client:
         end = prefix_range_end(prefix)
         start, revision, table = prefix, 0, {}
-        while True:
+        while start is not None:
             request = aetcd.rpc.RangeRequest(
                 key=start, range_end=end, limit=PAGE, revision=revision
             )
             page = await client.kvstub.Range(request, metadata=client.metadata)
             revision = revision or page.header.revision
-            for kv in page.kvs:
-                table[kv.key] = json.loads(kv.value)
-            if not page.more:
-                return len(table), time.perf_counter()
-            start = page.kvs[-1].key + b"\0"
+            start = _take(page, table)
+        return len(table), time.perf_counter()
 
 
 async def sync_etcd3aio(url: str, prefix: bytes) -> tuple[int, float]:
@@ -92,14 +99,11 @@ async def sync_etcd3aio(url: str, prefix: bytes) -> tuple[int, float]:
     async with etcd3aio.Etcd3Client([url.split("://", 1)[1]]) as client:
         end = prefix_range_end(prefix)
         start, revision, table = prefix, 0, {}
-        while True:
+        while start is not None:
             page = await client.kv.get(start, range_end=end, revision=revision, limit=PAGE)
             revision = revision or page.header.revision
-            for kv in page.kvs:
-                table[kv.key] = json.loads(kv.value)
-            if not page.more:
-                return len(table), time.perf_counter()
-            start = page.kvs[-1].key + b"\0"
+            start = _take(page, table)
+        return len(table), time.perf_counter()
 
 
 async def sync_etcd_client(url: str, prefix: bytes) -> tuple[int, float]:
@@ -149,18 +153,8 @@ def retained_bytes(kind: str, url: str, prefix: bytes) -> dict:
         import etcd3  # noqa: PLC0415
 
         client = etcd3.client(*host_port(url))
-        end = prefix_range_end(prefix)
-        start, revision, decoded = prefix, None, {}
-        while True:
-            page = client.get_range_response(start, end, limit=PAGE, revision=revision)
-            revision = revision or page.header.revision
-            for kv in page.kvs:
-                decoded[kv.key] = json.loads(kv.value)
-            if not page.more:
-                break
-            start = page.kvs[-1].key + b"\0"
+        decoded = _raw_read(client, prefix)
         keep, count = decoded, len(decoded)
-        del page
     gc.collect()
     traced = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()

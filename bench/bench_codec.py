@@ -21,22 +21,14 @@ import msgspec
 import orjson
 from _common import LABELS, Target, append_results, make_endpoint, table_text, write_json
 
-from discovery import EngineRecord, InferenceEngineEndpoint, KeySpace
-from discovery._codec import _exact_record, encode
+from discovery import EngineRecord, InferenceEngineCapabilities, InferenceEngineEndpoint, KeySpace
+from discovery._codec import _exact_record, _wire_struct, encode
 
 PASSES = 7
 
 
-class _WireCapabilities(msgspec.Struct):
-    context_length: int
-    kv_cache_block_size: int
-    total_kv_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    bos_token_id: int
-    enable_prefix_caching: bool
-    logical_data_parallel_size: int = 1
-    prefix_caching_coordinator_policy: str | None = None
+# The codec's own Struct of the capabilities' fields and types.
+_WireCapabilities = _wire_struct(InferenceEngineCapabilities)
 
 
 class _WireValue(msgspec.Struct):
