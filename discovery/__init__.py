@@ -31,6 +31,7 @@ from ._errors import (
     RecordDecodeError,
 )
 from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
+from ._launch import launch
 from ._metrics import Metrics, MetricsHooks
 from ._operators import deregister, drain, undrain
 from ._policies import (
@@ -44,6 +45,7 @@ from ._policies import (
     RoundRobinPolicy,
     RoutingPolicy,
 )
+from ._port import EtcdPort
 from ._registration import (
     Registration,
     RegistrationHealth,
@@ -57,7 +59,7 @@ from ._router import PickHandle, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
 from ._session import Session
 from ._settings import Settings
-from ._signals import deregister_on_signals
+from ._signals import StopSignals, deregister_on_signals, drain_and_close
 from ._store import EndpointEvent, EventType, RoutingSnapshot
 from ._watcher import (
     EndpointWatcher,
@@ -88,6 +90,7 @@ __all__ = [
     "EngineRecord",
     "EngineStatus",
     "EtcdError",
+    "EtcdPort",
     "EtcdUnavailableError",
     "EventType",
     "FirstPrefixBlockPolicy",
@@ -120,6 +123,7 @@ __all__ = [
     "RoutingTable",
     "Session",
     "Settings",
+    "StopSignals",
     "WatcherHealth",
     "WatcherState",
     "__version__",
@@ -128,6 +132,8 @@ __all__ = [
     "deregister",
     "deregister_on_signals",
     "drain",
+    "drain_and_close",
+    "launch",
     "list_engines",
     "register_dynamic_engine",
     "register_engine",

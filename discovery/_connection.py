@@ -5,7 +5,7 @@ engines. It owns:
 
 - building a python3-etcd3 ``MultiEndpointEtcd3Client`` with failover over every
   configured member, TLS and authentication;
-- the retry policy (tenacity: jittered exponential backoff, bounded by a deadline);
+- retries (tenacity, waiting the package's ``CALL`` backoff, bounded by a deadline);
 - translating every gRPC / etcd3 error into discovery's exceptions, at one boundary
   (``translate``), so that nothing above it sees a client type;
 - guarding the client's known defects:
@@ -33,7 +33,6 @@ engines. It owns:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import random
@@ -56,9 +55,9 @@ from tenacity import (
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
-    wait_exponential_jitter,
 )
 
+from ._backoff import CALL
 from ._errors import (
     ClosedError,
     DiscoveryError,
@@ -70,7 +69,6 @@ from ._port import (
     MAX_BATCH,
     PAGE_SIZE,
     Compacted,
-    EtcdPort,
     KeyValue,
     LeaseGone,
     LeaseInfo,
@@ -377,6 +375,16 @@ class Connection:
         broken.close()
 
     @property
+    def dial_timeout(self) -> float:
+        """``settings.dial_timeout``: how long ``call`` retries by default."""
+        return self.settings.dial_timeout
+
+    @property
+    def election_timeout(self) -> float:
+        """``settings.election_timeout``: etcd's election timeout."""
+        return self.settings.election_timeout
+
+    @property
     def member_in_use(self) -> str:
         """``host:port`` of the member calls go to now."""
         return str(self._current().endpoint_in_use.netloc)
@@ -447,7 +455,7 @@ class Connection:
                 retry=retry_if_exception(
                     lambda e: isinstance(e, EtcdUnavailableError) and not self._closed
                 ),
-                wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
+                wait=CALL,
                 stop=stop_after_delay(self.settings.dial_timeout if timeout is None else timeout),
                 before_sleep=_log_retry,
                 reraise=True,
@@ -675,19 +683,6 @@ class Connection:
     def open_keepalive(self) -> _KeepAliveStream:
         """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
-
-
-@contextlib.contextmanager
-def connection_for(connection: EtcdPort | None, settings: Settings | None) -> Iterator[EtcdPort]:
-    """``connection`` if given, else a new one from ``settings``, closed when the block ends."""
-    if connection is not None:
-        yield connection
-        return
-    conn = Connection(settings)
-    try:
-        yield conn
-    finally:
-        conn.close()
 
 
 def _read(path: str | None) -> bytes | None:

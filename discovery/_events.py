@@ -47,7 +47,7 @@ from ._session import check_ttl
 if TYPE_CHECKING:
     import zmq
 
-    from ._connection import Connection
+    from ._port import EtcdPort
     from ._settings import Settings
 
 __all__ = ["EngineEventReceiver", "ReceiverHealth", "ReceiverState"]
@@ -58,18 +58,6 @@ READY = "ready"
 EXTRA = "launch"
 _CAPABILITY_KEYS = frozenset(f.name for f in dataclasses.fields(InferenceEngineCapabilities))
 _LOUD_PROBLEMS = 10  # malformed/rejected frames logged at WARNING; the rest at DEBUG
-
-
-def require_event_libraries() -> None:
-    """Raise ImportError naming the extra to install when pyzmq or msgpack is missing."""
-    try:
-        import msgpack  # noqa: F401, PLC0415
-        import zmq  # noqa: F401, PLC0415
-    except ImportError as exc:
-        raise ImportError(
-            f"engine events need pyzmq and msgpack ({exc.name or exc} is missing): "
-            f"pip install 'discovery[{EXTRA}]'"
-        ) from exc
 
 
 def _brief(value: object, limit: int = 80) -> str:
@@ -171,11 +159,11 @@ class EngineEventReceiver:
         ttl: float = 10.0,
         labels: Mapping[str, str] | None = None,
         settings: Settings | None = None,
-        connection: Connection | None = None,
+        connection: EtcdPort | None = None,
         replace: bool = False,
         metrics: MetricsHooks | None = None,
     ) -> None:
-        require_event_libraries()
+        self.require_libraries()
         self.engine_id = default_engine_id() if engine_id is None else validate_engine_id(engine_id)
         self._labels = dict(validate_labels(labels))
         self._ttl = check_ttl(ttl)
@@ -198,6 +186,18 @@ class EngineEventReceiver:
         self._closed = False
         self._listeners: Listeners[Callable[[ReceiverState], None]] = Listeners()
         self._dispatcher = Dispatcher("discovery-receiver-events")
+
+    @staticmethod
+    def require_libraries() -> None:
+        """Raise ImportError naming the extra to install when pyzmq or msgpack is missing."""
+        try:
+            import msgpack  # noqa: F401, PLC0415
+            import zmq  # noqa: F401, PLC0415
+        except ImportError as exc:
+            raise ImportError(
+                f"engine events need pyzmq and msgpack ({exc.name or exc} is missing): "
+                f"pip install 'discovery[{EXTRA}]'"
+            ) from exc
 
     # -- public view ------------------------------------------------------------------
 

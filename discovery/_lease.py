@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from ._backoff import REPAIR
 from ._dispatch import Dispatcher
 from ._port import EtcdPort, KeepAliveStream, explain
 
@@ -33,7 +34,6 @@ __all__ = ["LeaseKeeper", "keeper_for"]
 
 log = logging.getLogger(__name__)
 
-RETRY_MAX = 0.5  # a failed turn runs again this soon
 _STREAM_REOPEN_MIN = 0.2
 _POOL_WORKERS = 4
 
@@ -137,7 +137,7 @@ class LeaseKeeper:
             job(self)
         except Exception:
             log.exception("%r: keeper turn failed; trying again", item)
-            self.schedule(item, time.monotonic() + RETRY_MAX)
+            self.schedule(item, time.monotonic() + REPAIR.maximum)
 
     def submit(self, item: Timed, job: Callable[[LeaseKeeper], None]) -> None:
         """Run ``job(keeper)`` on the pool (blocking RPCs); a failure reschedules ``item``."""

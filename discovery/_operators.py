@@ -18,8 +18,9 @@ from dataclasses import replace
 from functools import partial
 
 from ._codec import EngineRecord, EngineStatus, drain_deadline_after, encode
-from ._connection import Connection, connection_for
+from ._port import EtcdPort
 from ._settings import Settings
+from ._transport import keyspace_for, port_for
 
 __all__ = ["deregister", "drain", "undrain"]
 
@@ -30,7 +31,7 @@ def deregister(
     engine_id: str,
     settings: Settings | None = None,
     *,
-    connection: Connection | None = None,
+    connection: EtcdPort | None = None,
 ) -> int | None:
     """Remove an engine's record from outside its process (an operator's action).
 
@@ -41,8 +42,8 @@ def deregister(
     its self-healing): stop the engine to remove it for good. Uses ``connection`` if
     given, else one built from ``settings``.
     """
-    with connection_for(connection, settings) as conn:
-        key = conn.settings.keyspace.key(engine_id)
+    key = keyspace_for(settings, connection).key(engine_id)
+    with port_for(connection, settings) as conn:
         found = conn.call(lambda: conn.get(key))
         if found is None:
             return None
@@ -64,7 +65,7 @@ def drain(
     timeout: float | None = None,
     settings: Settings | None = None,
     *,
-    connection: Connection | None = None,
+    connection: EtcdPort | None = None,
 ) -> EngineRecord | None:
     """Mark a live engine ``draining``: routers stop picking it, its requests finish.
 
@@ -87,7 +88,7 @@ def undrain(
     engine_id: str,
     settings: Settings | None = None,
     *,
-    connection: Connection | None = None,
+    connection: EtcdPort | None = None,
 ) -> EngineRecord | None:
     """Put a ``draining`` engine back to ``ready`` (its drain deadline is cancelled).
 
@@ -110,12 +111,12 @@ def _rewrite(
     engine_id: str,
     change: Callable[[EngineRecord], EngineRecord],
     settings: Settings | None,
-    connection: Connection | None,
+    connection: EtcdPort | None,
 ) -> EngineRecord | None:
     """Apply ``change`` to the stored record, on its lease, by compare-and-swap."""
-    with connection_for(connection, settings) as conn:
-        keyspace = conn.settings.keyspace
-        key = keyspace.key(engine_id)
+    keyspace = keyspace_for(settings, connection)
+    key = keyspace.key(engine_id)
+    with port_for(connection, settings) as conn:
         while True:
             found = conn.call(lambda: conn.get(key))
             if found is None:

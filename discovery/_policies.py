@@ -1,4 +1,4 @@
-"""Routing policies: one class per policy behind the small ``Policy`` protocol.
+"""Routing policies: one class per policy behind the small ``Policy`` base class.
 
 A ``Router`` filters the engines (labels, fit, fencing) and hands the survivors to its
 policy as ``Candidate`` objects, with the request as a ``PickRequest``. The policy's

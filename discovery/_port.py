@@ -1,11 +1,15 @@
 """What discovery needs from etcd, said in types of its own: the etcd port.
 
 Registration, the watch loop and the one-shot helpers talk to etcd only through
-``EtcdPort``. Its one implementation, the python3-etcd3 adapter ``Connection``
-(``_connection.py``), is the only module that knows about etcd3, gRPC or protobuf: it
-translates every client error into discovery's exceptions, at one boundary, and guards the
-client's defects. Swapping the client (say for an asyncio one) means writing another
-adapter, not touching registration or the watcher.
+``EtcdPort``, and are typed against it. Its implementations: the python3-etcd3 adapter
+``Connection`` (``_connection.py``), the only module that knows about etcd3, gRPC or
+protobuf (it translates every client error into discovery's exceptions, at one boundary,
+and guards the client's defects), built by the one factory ``_transport.connect``; and
+``discovery.memory.MemoryPort``, an etcd in memory for tests. Both pass the same
+conformance tests (``tests/test_port_conformance.py``). Swapping the client (say for an
+asyncio one) means writing another adapter and changing the factory, not touching
+registration or the watcher. The port knows how to reach etcd, not the key layout: the
+API resolves that (``_transport.keyspace_for``) and hands it to each component.
 
 Every port method makes one attempt. A transient failure (a member down, an election, a
 dropped stream) is an ``EtcdUnavailableError``; ``call`` retries such failures.
@@ -15,12 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from ._errors import DiscoveryError, EtcdError, EtcdUnavailableError
-
-if TYPE_CHECKING:
-    from ._settings import Settings
 
 __all__ = [
     "Compacted",
@@ -184,8 +185,13 @@ class EtcdPort(Protocol):
     """The etcd operations discovery uses (see the module docs)."""
 
     @property
-    def settings(self) -> Settings:
-        """Where etcd is and which part of its keyspace is ours."""
+    def dial_timeout(self) -> float:
+        """Seconds ``call`` retries by default, and a watcher waits for its first listing."""
+        ...
+
+    @property
+    def election_timeout(self) -> float:
+        """Etcd's election timeout in seconds: how soon a partitioned member is left."""
         ...
 
     @property
@@ -196,7 +202,7 @@ class EtcdPort(Protocol):
     def call(self, op: Callable[[], T], *, timeout: float | None = None) -> T:
         """Run ``op`` (port calls), retrying transient failures for up to ``timeout`` s.
 
-        The default is ``settings.dial_timeout``; 0 means one attempt.
+        The default is ``dial_timeout``; 0 means one attempt.
         """
         ...
 

@@ -15,32 +15,25 @@ has not seen).
 One watch per connection: of the one key when the connection serves a single
 registration (the one-engine process: etcd sends it nothing about other engines), else of
 the namespace prefix (a process holding many registrations, typically through a
-``Session``). Events for other keys are dropped unread. The watch resumes after an error
-from the last revision it delivered, whose events come again and change nothing (an owner
-ignores a revision it has seen). Not from the next one: etcd before 3.5.16 drops the
-tombstone of a delete made at exactly the compaction revision (etcd-io/etcd#18089), as
-``_watcher.py`` explains. If the resume revision was compacted, it reads the range once
-and reports each owned key's current state (a resync), then watches again.
+``Session``). Events for other keys are dropped unread. It runs on the list-watch loop
+both watches share (``_reflector.py``: resume at the last delivered revision, backoff,
+health), started at the owner's own write instead of a listing; a listing after
+compaction reports each owned key's current state (a resync).
 """
 
 from __future__ import annotations
 
-import logging
-import random
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Protocol
 
-from ._errors import DiscoveryError
-from ._port import Compacted, EtcdPort, KeyValue, WatchStream, explain
+from ._port import EtcdPort, KeyValue, WatchResponse
+from ._reflector import Reflector
 
 __all__ = ["RecordOwner", "RecordWatch", "record_watch_for"]
 
-log = logging.getLogger(__name__)
-
 _HEARTBEAT = 10.0  # an idle watch asks for progress this often, and is dropped after twice
-_BACKOFF_MIN = 0.1
-_BACKOFF_MAX = 3.0
 
 
 class RecordOwner(Protocol):
@@ -56,29 +49,29 @@ class RecordOwner(Protocol):
 
 
 class RecordWatch:
-    """Watches the keys of one connection's registrations (see the module docs)."""
+    """Watches the keys of one connection's registrations (see the module docs).
 
-    def __init__(self, connection: EtcdPort, *, single_key: str | None) -> None:
-        self._conn = connection
-        self._range = single_key or connection.settings.keyspace.prefix
+    ``key_range`` is one key, or the namespace prefix of a shared connection.
+    """
+
+    def __init__(self, connection: EtcdPort, key_range: str) -> None:
         self._owners: dict[bytes, RecordOwner] = {}
         self._lock = threading.Lock()
-        self._revision = 0  # every event up to here was delivered
-        self._stop = threading.Event()
-        self._stream: WatchStream | None = None
-        self._thread: threading.Thread | None = None
-        self._fresh = False  # a response arrived since the last error
+        self._reflector = Reflector(
+            connection,
+            key_range,
+            self,
+            name=f"own records ({key_range})",
+            heartbeat=_HEARTBEAT,
+            progress_interval=_HEARTBEAT,
+        )
 
     def add(self, owner: RecordOwner, revision: int) -> None:
         """Report changes of ``owner.key`` after ``revision`` (the owner's own write)."""
         with self._lock:
             self._owners[owner.key.encode()] = owner
-            if self._thread is None and not self._stop.is_set():
-                self._revision = revision
-                self._thread = threading.Thread(
-                    target=self._run, name="discovery-record-watch", daemon=True
-                )
-                self._thread.start()
+        if not self._reflector.stopped:
+            self._reflector.start(revision, thread_name="discovery-record-watch")
 
     def remove(self, owner: RecordOwner) -> None:
         """Stop reporting changes of ``owner.key``."""
@@ -88,79 +81,42 @@ class RecordWatch:
 
     def stop(self) -> None:
         """End the watch and its thread."""
-        self._stop.set()
-        stream = self._stream
-        if stream is not None:
-            stream.close()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)
+        self._reflector.stop(timeout=5.0)
 
-    def _run(self) -> None:
-        delay = _BACKOFF_MIN
-        while not self._stop.is_set():
-            try:
-                self._watch()
-            except Compacted:
-                log.info("watch of own records fell behind compaction; reading them again")
-                try:
-                    self._resync()
-                    continue
-                except DiscoveryError as exc:
-                    log.warning("cannot read own records again: %s", explain(exc))
-            except DiscoveryError as exc:
-                if self._stop.is_set():
-                    return
-                log.warning("watch of own records interrupted: %s", explain(exc))
-            except Exception:  # a bug of ours: keep the evidence, keep watching
-                log.exception("watch of own records failed")
-            if self._fresh:  # the stream worked for a while: start the backoff again
-                self._fresh, delay = False, _BACKOFF_MIN
-            self._stop.wait(random.uniform(delay / 2, delay))
-            delay = min(_BACKOFF_MAX, delay * 2)
+    # -- the reflector's target ----------------------------------------------------------
 
-    def _watch(self) -> None:
-        """Watch from the last delivered revision until the stream ends (it raises)."""
-        stream = self._conn.open_watch(
-            self._range, self._revision, heartbeat=_HEARTBEAT, progress_interval=_HEARTBEAT
-        )
-        self._stream = stream
-        try:
-            if self._stop.is_set():
-                return
-            for response in stream:
-                self._fresh = True
-                for event in response.events:
-                    kv = event.kv
-                    with self._lock:
-                        owner = self._owners.get(kv.key)
-                    if owner is not None:
-                        owner.observed(kv if event.is_put else None, kv.mod_revision)
-                    self._revision = max(self._revision, kv.mod_revision)
-        finally:
-            self._stream = None
-            stream.close()
+    def apply(self, response: WatchResponse) -> None:
+        """Tell each owner of a changed key."""
+        for event in response.events:
+            kv = event.kv
+            with self._lock:
+                owner = self._owners.get(kv.key)
+            if owner is not None:
+                owner.observed(kv if event.is_put else None, kv.mod_revision)
 
-    def _resync(self) -> None:
-        revision, kvs = self._conn.list_prefix(self._range, timeout=0)
-        current = {kv.key: kv for kv in kvs}
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
+        """A resync after compaction: tell every owner its key's current state."""
+        revision = 0
+        current: dict[bytes, KeyValue] = {}
+        for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
+            current.update((kv.key, kv) for kv in kvs)
         with self._lock:
             owners = list(self._owners.items())
         for key, owner in owners:
             kv = current.get(key)
             owner.observed(kv, kv.mod_revision if kv is not None else revision)
-        self._revision = revision
+        return revision
 
 
 _watches: weakref.WeakKeyDictionary[EtcdPort, RecordWatch] = weakref.WeakKeyDictionary()
 _watches_lock = threading.Lock()
 
 
-def record_watch_for(connection: EtcdPort, single_key: str | None) -> RecordWatch:
+def record_watch_for(connection: EtcdPort, key_range: str) -> RecordWatch:
     """The one record watch of ``connection`` (the first caller chooses its range)."""
     with _watches_lock:
         watch = _watches.get(connection)
         if watch is None:
-            watch = _watches[connection] = RecordWatch(connection, single_key=single_key)
+            watch = _watches[connection] = RecordWatch(connection, key_range)
             connection.on_close(watch.stop)
         return watch

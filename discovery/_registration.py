@@ -43,12 +43,12 @@ from typing import Any
 from ._codec import (
     EngineRecord,
     EngineStatus,
+    KeySpace,
     drain_deadline_after,
     encode,
     validate_engine_id,
     validate_status,
 )
-from ._connection import Connection
 from ._dispatch import Listeners
 from ._endpoint import DynamicEngineLike, InferenceEngineEndpoint
 from ._errors import (
@@ -61,7 +61,7 @@ from ._errors import (
 from ._lease import LeaseKeeper
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import EtcdPort, KeyValue, LeaseGone, PutResult
-from ._recordwatch import record_watch_for
+from ._recordwatch import RecordWatch, record_watch_for
 from ._session import Session, check_ttl
 from ._settings import Settings
 
@@ -168,8 +168,10 @@ class Registration:
         self._session = session
         self._private = private  # the session is ours alone: closing us closes it
         self._conn: EtcdPort = session.connection
+        self._keyspace: KeySpace = session.keyspace
         self._metrics = metrics or NO_METRICS
-        self.key = self._conn.settings.keyspace.key(record.engine_id)
+        self.key = self._keyspace.key(record.engine_id)
+        self._watch: RecordWatch | None = None  # our key's watch, once written
         self.ttl = session.ttl
         self._lock = threading.Lock()
         self._state = RegistrationState.REGISTERING
@@ -341,7 +343,8 @@ class Registration:
         # A connection of our own serves this one key: watch only it (etcd then sends us
         # nothing about other engines); a shared connection watches the namespace.
         alone = self._private and self._session._owns_connection
-        record_watch_for(self._conn, self.key if alone else None).add(self, self._mod_revision)
+        self._watch = record_watch_for(self._conn, self.key if alone else self._keyspace.prefix)
+        self._watch.add(self, self._mod_revision)
         self._status_changed()
 
     def _write_first(self, value: bytes, *, replace: bool) -> None:
@@ -376,7 +379,8 @@ class Registration:
 
     def _remove(self, timeout: float | None) -> None:
         self._keeper.cancel(self)
-        record_watch_for(self._conn, None).remove(self)
+        if self._watch is not None:
+            self._watch.remove(self)
         if self._private:
             self._session.close(timeout)
             log.info("deregistered %s", self.engine_id)
@@ -576,7 +580,8 @@ class Registration:
     def _session_closed(self) -> None:
         if self._fire(_Event.CLOSE):
             self._keeper.cancel(self)
-            record_watch_for(self._conn, None).remove(self)
+            if self._watch is not None:
+                self._watch.remove(self)
             self._closed.set()  # the session's revoke removes the record
 
     def observed(self, kv: KeyValue | None, revision: int) -> None:
@@ -601,7 +606,7 @@ class Registration:
         its own (which then goes on top).
         """
         try:
-            found = self._conn.settings.keyspace.decode(kv.key, kv.value)
+            found = self._keyspace.decode(kv.key, kv.value)
         except RecordDecodeError as exc:
             log.warning(
                 "%s: an outside write broke the record (%s); writing ours", self.engine_id, exc
@@ -647,7 +652,7 @@ def register_engine(
     labels: Mapping[str, str] | None = None,
     status: EngineStatus | str = EngineStatus.READY,
     settings: Settings | None = None,
-    connection: Connection | None = None,
+    connection: EtcdPort | None = None,
     session: Session | None = None,
     replace: bool = False,
     metrics: MetricsHooks | None = None,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from ._codec import EngineRecord
-from ._connection import Connection
 from ._dispatch import Listeners
 from ._metrics import MetricsHooks
+from ._port import EtcdPort
 from ._settings import Settings
 from ._store import Batch, EngineStore, RoutingSnapshot
 from ._watcher import EndpointWatcher
@@ -132,7 +132,7 @@ def watch_table(
     *,
     namespace: str | None = None,
     selector: Mapping[str, str] | None = None,
-    connection: Connection | None = None,
+    connection: EtcdPort | None = None,
     heartbeat: float = 5.0,
     progress_interval: float = 1.0,
     stale_after: float | None = None,

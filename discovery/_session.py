@@ -31,7 +31,6 @@ import contextlib
 import enum
 import logging
 import math
-import random
 import threading
 import time
 import weakref
@@ -39,8 +38,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
 
-from ._codec import EngineRecord
-from ._connection import Connection
+from ._backoff import REPAIR
+from ._codec import EngineRecord, KeySpace
 from ._errors import (
     ClosedError,
     DiscoveryError,
@@ -48,16 +47,16 @@ from ._errors import (
     EtcdUnavailableError,
     InvalidRecordError,
 )
-from ._lease import RETRY_MAX, LeaseKeeper, keeper_for
+from ._lease import LeaseKeeper, keeper_for
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import MAX_BATCH, EtcdPort, KeepAliveStream, LeaseGone, PutResult, explain
 from ._settings import Settings
+from ._transport import connect, keyspace_for
 
 __all__ = ["Session"]
 
 log = logging.getLogger(__name__)
 
-_RETRY_MIN = 0.1  # while lost, try often: records must be back within ~1 s of etcd
 _EXIT_TIMEOUT = 2.0  # at interpreter exit, do not hang on an unreachable etcd
 
 
@@ -116,7 +115,9 @@ class Session:
         """The lease TTL in whole seconds."""
         self._interval = self.ttl / 3
         self._owns_connection = connection is None
-        self._conn: EtcdPort = Connection(settings) if connection is None else connection
+        self.keyspace: KeySpace = keyspace_for(settings, connection)
+        """The key layout of the session's records."""
+        self._conn: EtcdPort = connect(settings) if connection is None else connection
         self._metrics = metrics or NO_METRICS
         self._lock = threading.Lock()
         # Held by a repair (grant + writes) and by close(), so that close() never races a
@@ -131,7 +132,7 @@ class Session:
         self._unwritten: set[_Member] = set()  # records to write again
         self._unpublished: set[_Member] = set()  # changes to publish when etcd answers
         self._repairing = False
-        self._retry_delay = _RETRY_MIN
+        self._repair_attempts = 0  # failed repairs in a row: the REPAIR backoff's attempt
         self._losses = 0
         self._last_error: str | None = None
         self._last_keepalive: datetime | None = None
@@ -286,7 +287,7 @@ class Session:
             return
         if state is _State.LOST or owed:
             self._start_repair()
-        at = self._keepalive(keeper, now) if state is _State.ALIVE else now + RETRY_MAX
+        at = self._keepalive(keeper, now) if state is _State.ALIVE else now + REPAIR.maximum
         keeper.schedule(self, at, sooner_only=True)  # a repair may have asked for sooner
 
     def _keepalive(self, keeper: LeaseKeeper, now: float) -> float:
@@ -315,7 +316,7 @@ class Session:
                 at = keeper.reopen_at()
         else:
             self._metrics.keepalive_failed()
-            at = now + RETRY_MAX
+            at = now + REPAIR.maximum
         return min(at, max(now, self._deadline))
 
     def keepalive_answered(self, lease_id: int, ttl: int) -> None:
@@ -384,17 +385,17 @@ class Session:
                 reason = explain(exc)
                 with self._lock:
                     self._last_error = reason
-                    delay = self._retry_delay
-                    self._retry_delay = min(RETRY_MAX, delay * 2)
+                    delay = REPAIR.delay(self._repair_attempts)
+                    self._repair_attempts += 1
                 if isinstance(exc, LeaseGone) and self._lease_id is not None:
                     self._lease_gone(self._lease_id)
                 elif not isinstance(exc, EtcdUnavailableError):
                     log.warning("cannot repair lease %016x: %s", self._lease_id or 0, reason)
-                at = time.monotonic() + random.uniform(delay / 2, delay)
+                at = time.monotonic() + delay
                 keeper.schedule(self, at, sooner_only=True)  # never later than a keepalive
                 return
             with self._lock:
-                self._retry_delay = _RETRY_MIN
+                self._repair_attempts = 0  # failed repairs in a row: the REPAIR backoff's attempt
                 retry_at = min((m._retry_at for m in self._unwritten), default=math.inf)
             if retry_at < math.inf:  # a conflict: try that one again later
                 keeper.schedule(self, retry_at, sooner_only=True)

@@ -42,41 +42,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
-from types import MappingProxyType
 
-from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
-
-from ._codec import EngineRecord, KeySpace, RecordView
-from ._connection import Connection, connection_for
+from ._codec import EngineRecord, KeySpace, RecordView, validate_labels
 from ._dispatch import Dispatcher
-from ._errors import (
-    ClosedError,
-    DiscoveryError,
-    EtcdUnavailableError,
-    RecordDecodeError,
-)
+from ._errors import DiscoveryError, EtcdUnavailableError, RecordDecodeError
 from ._metrics import NO_METRICS, MetricsHooks
-from ._port import (
-    Compacted,
-    EtcdPort,
-    NoLeaderError,
-    StreamSilentError,
-    WatchEvent,
-    WatchStream,
-    explain,
-)
+from ._port import EtcdPort, KeyValue, WatchResponse
+from ._reflector import Reflector, WatcherState
 from ._settings import Settings, positive_seconds
 from ._staleness import Freshness, default_stale_after
 from ._store import Batch, Change, EndpointEvent, EngineStore, Entry
+from ._transport import connect, keyspace_for, port_for
 
 __all__ = [
     "EndpointWatcher",
@@ -88,17 +72,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_HEALTHY_AFTER = 10.0  # a stream that lived this long restarts the backoff from scratch
-
-
-class WatcherState(enum.StrEnum):
-    """Connection state of a watcher."""
-
-    STARTING = "starting"
-    CONNECTED = "connected"
-    RECONNECTING = "reconnecting"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -124,10 +97,6 @@ class WatcherHealth:
     """The staleness threshold in seconds."""
 
 
-class _Resume(Exception):
-    """Internal: a healthy stream ended; reconnect with a fresh backoff."""
-
-
 class EndpointWatcher:
     """Streams typed events for the engines of one namespace (see module docs).
 
@@ -151,7 +120,7 @@ class EndpointWatcher:
         *,
         namespace: str | None = None,
         selector: Mapping[str, str] | None = None,
-        connection: Connection | None = None,
+        connection: EtcdPort | None = None,
         heartbeat: float = 5.0,
         progress_interval: float = 1.0,
         stale_after: float | None = None,
@@ -160,46 +129,30 @@ class EndpointWatcher:
         for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
             if value is not None:
                 positive_seconds(name, value, finite=False)
-        self._metrics = metrics or NO_METRICS
+        keyspace = keyspace_for(settings, connection)
+        if namespace is not None:
+            keyspace = KeySpace(keyspace.root, namespace)
         self._owns_connection = connection is None
-        if connection is None:
-            settings = settings if settings is not None else Settings.from_env()
-            if namespace is not None:
-                settings = settings.with_namespace(namespace)
-            connection = Connection(settings)
-        self._conn: EtcdPort = connection
-        self._keyspace = (
-            connection.settings.keyspace
-            if namespace is None
-            else KeySpace(connection.settings.root, namespace)
-        )
-        self.prefix = self._keyspace.prefix
-        self.selector = MappingProxyType(dict(selector or {}))
+        self._conn: EtcdPort = connect(settings) if connection is None else connection
+        self.prefix = keyspace.prefix
+        self.selector = validate_labels(selector)
         if stale_after is None:
-            stale_after = default_stale_after(
-                progress_interval, connection.settings.election_timeout
-            )
+            stale_after = default_stale_after(progress_interval, self._conn.election_timeout)
         self.freshness = Freshness(self.prefix, stale_after, self._describe)
         """When a member with a leader last answered this watcher."""
         self.store = EngineStore(self.freshness)
         """The engines this watcher sees: the one copy, shared by every RoutingTable on it."""
-        self._heartbeat = heartbeat
-        self._progress_interval = progress_interval
-        self._lock = threading.Lock()
-        self._newest = 0  # newest etcd revision seen in any response: lag = newest - applied
-        self._listed = threading.Event()
-        self._needs_list = True
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stream: WatchStream | None = None
-        self._state = WatcherState.STARTING
-        self._last_error: str | None = None
-        self._last_exc: BaseException | None = None
-        self._last_success = 0.0  # time.time() of the last response; 0: none yet
-        self._reconnects = 0
-        self._relists = 0
-        self._skipped = 0
-        self._metrics.observe_watcher(self)
+        self._feed = _Feed(keyspace, self.selector, self.store, self.freshness, metrics)
+        self._reflector = Reflector(
+            self._conn,
+            self.prefix,
+            self._feed,
+            name=self.prefix,
+            heartbeat=heartbeat,
+            progress_interval=progress_interval,
+            metrics=metrics,
+        )
+        (metrics or NO_METRICS).observe_watcher(self)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -209,17 +162,11 @@ class EndpointWatcher:
         With ``wait``, raises the last error (EtcdUnavailableError, PermissionDeniedError)
         if no snapshot could be read within ``settings.dial_timeout``, and stops.
         """
-        with self._lock:
-            if self._stop.is_set():
-                raise ClosedError("watcher is stopped")
-            if self._thread is None:
-                self.freshness.start()
-                self._thread = threading.Thread(
-                    target=self._run, name="discovery-watcher", daemon=True
-                )
-                self._thread.start()
-        if wait and not self._listed.wait(self._conn.settings.dial_timeout):
-            cause = self._last_exc
+        if not self._reflector.stopped:
+            self.freshness.start()
+        self._reflector.start(thread_name="discovery-watcher")
+        if wait and not self._feed.listed.wait(self._conn.dial_timeout):
+            cause = self._reflector.last_exception
             self.stop()
             if isinstance(cause, DiscoveryError):
                 raise cause
@@ -228,15 +175,7 @@ class EndpointWatcher:
 
     def stop(self) -> None:
         """Stop watching, end every iterator and join the watcher's threads. Idempotent."""
-        self._stop.set()
-        stream = self._stream
-        if stream is not None:
-            stream.close()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(10.0)
-        with self._lock:
-            self._state = WatcherState.STOPPED
+        self._reflector.stop()
         self.store.close()
         self.freshness.stop()
         if self._owns_connection:
@@ -296,152 +235,81 @@ class EndpointWatcher:
     def health(self) -> WatcherHealth:
         """Connection state, last error, revision, counters and staleness."""
         staleness = self.freshness.age()
-        with self._lock:
-            return WatcherHealth(
-                state=self._state,
-                revision=self.store.revision,
-                last_error=self._last_error,
-                last_success=(
-                    datetime.fromtimestamp(self._last_success, UTC) if self._last_success else None
-                ),
-                reconnects=self._reconnects,
-                relists=self._relists,
-                skipped=self._skipped,
-                engines=len(self.store),
-                staleness=staleness,
-                stale=staleness > self.freshness.stale_after,
-                stale_after=self.freshness.stale_after,
-            )
+        loop = self._reflector.health()
+        return WatcherHealth(
+            state=loop.state,
+            revision=self.store.revision,
+            last_error=loop.last_error,
+            last_success=loop.last_success,
+            reconnects=loop.reconnects,
+            relists=loop.relists,
+            skipped=self._feed.skipped,
+            engines=len(self.store),
+            staleness=staleness,
+            stale=staleness > self.freshness.stale_after,
+            stale_after=self.freshness.stale_after,
+        )
 
     def _describe(self) -> str:
         """What the watcher serves, and why it is not current: for the stale warning."""
-        with self._lock:
-            error = self._last_error or "none"
+        error = self._reflector.health().last_error or "none"
         return f"{len(self.store)} engines at revision {self.store.revision}, last error: {error}"
 
-    # -- the list-watch loop -----------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            retrying = Retrying(
-                retry=retry_if_exception(self._should_retry),
-                wait=self._backoff,
-                sleep=self._pause,
-                before_sleep=self._before_retry,
-                reraise=True,
-            )
-            try:
-                retrying(self._session)
-            except _Resume:
-                continue
-            except Exception as exc:
-                if not self._stop.is_set():  # a bug of ours: keep the evidence, keep going
-                    log.exception("watcher loop failed; restarting")
-                    self._on_retry(exc)
-                    self._stop.wait(1.0)
+class _Feed:
+    """The reflector's target: decodes and selects what etcd says, and hands it to the store."""
 
-    _exponential = wait_exponential_jitter(multiplier=0.05, max=3.0, jitter=0.2)
+    def __init__(
+        self,
+        keyspace: KeySpace,
+        selector: Mapping[str, str],
+        store: EngineStore,
+        freshness: Freshness,
+        metrics: MetricsHooks | None,
+    ) -> None:
+        self._keyspace = keyspace
+        self._prefix = keyspace.prefix
+        self._selector = selector
+        self._store = store
+        self._freshness = freshness
+        self._metrics = metrics or NO_METRICS
+        self._lock = threading.Lock()
+        self.skipped = 0
+        """Values under the prefix that could not be decoded."""
+        self.listed = threading.Event()
+        """Set once the first listing is in the store."""
 
-    def _backoff(self, state: RetryCallState) -> float:
-        delay: float = self._exponential(state)
-        if state.outcome is not None and isinstance(state.outcome.exception(), NoLeaderError):
-            # A partition or an election: another member (or this one, once it has a
-            # leader again) answers soon, and a refusal costs etcd next to nothing.
-            return min(delay, self._conn.settings.election_timeout / 4)
-        return delay
-
-    def _pause(self, seconds: float) -> None:
-        self._stop.wait(seconds)  # a stop ends the backoff at once
-
-    def _should_retry(self, exc: BaseException) -> bool:
-        return not self._stop.is_set() and not isinstance(exc, _Resume)
-
-    def _before_retry(self, state: RetryCallState) -> None:
-        if state.outcome is not None and (exc := state.outcome.exception()) is not None:
-            self._on_retry(exc)
-
-    def _on_retry(self, exc: BaseException) -> None:
-        reason = explain(exc)
-        with self._lock:
-            if self._state is not WatcherState.STOPPED:
-                self._state = WatcherState.RECONNECTING
-            self._last_error = reason
-            self._last_exc = exc
-            self._reconnects += 1
-        self._metrics.watcher_connected(self.prefix, False)
-        self._metrics.watcher_reconnect(self.prefix, _cause(exc))
-        log.warning("watch of %s interrupted (%s); reconnecting", self.prefix, reason)
-
-    def _session(self) -> None:
-        if self._needs_list:
-            self._relist()
-        stream = self._conn.open_watch(
-            self.prefix,
-            self.store.revision,  # inclusive: see "Exactly once" in the module docs
-            heartbeat=self._heartbeat,
-            progress_interval=self._progress_interval,
-        )
-        self._stream = stream
-        if self._stop.is_set():
-            stream.close()
-            return
-        opened = time.monotonic()
-        try:
-            for response in stream:
-                self._mark_connected()
-                self._newest = max(self._newest, response.revision)
-                if response.events:
-                    self._apply(response.events)
-                self.freshness.proved()  # after the store took the batch (see _store.py)
-                self._metrics.watcher_revision(self.prefix, self.store.revision, self._newest)
-        except Compacted as exc:
-            log.warning("watch of %s fell behind compaction (%s); listing again", self.prefix, exc)
-            self._needs_list = True
-            raise
-        except Exception as exc:
-            if self._stop.is_set():
-                return
-            if time.monotonic() - opened >= _HEALTHY_AFTER:
-                self._on_retry(exc)
-                raise _Resume() from exc
-            raise
-        finally:
-            self._stream = None
-            stream.close()
-
-    def _mark_connected(self) -> None:
-        # Runs for every response: lock-free unless the state changes.
-        self._last_success = time.time()
-        if self._state is WatcherState.CONNECTED:
-            return
-        with self._lock:
-            if self._state is WatcherState.STOPPED:
-                return
-            self._state = WatcherState.CONNECTED
-        self._metrics.watcher_connected(self.prefix, True)
-
-    def _relist(self) -> None:
-        # One attempt per page: this loop's own backoff retries, and reports, failures
-        # (a revision compacted between pages too). A page decodes while the next is read.
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
+        """Decode and select each page as it arrives; hand the store the whole listing."""
         revision = 0
         entries: dict[str, Entry] = {}
-        for revision, kvs in self._conn.list_pages(self.prefix, timeout=0):  # noqa: B007
+        for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
             for kv in kvs:
                 key = kv.key.decode("utf-8", "backslashreplace")
                 record = self._decode(key, kv.value)
                 if record is not None:
                     entries[record.engine_id] = Entry(key, record, kv.mod_revision)
-        batch = self.store.replace(entries, revision)
-        if self._listed.is_set():
-            self._relists += 1
-            self._metrics.watcher_relist(self.prefix, "compaction")
-        self._needs_list = False
-        self._listed.set()
-        self._newest = max(self._newest, revision)
-        self._metrics.events_applied(self.prefix, (e.type.value for e in batch), 0.0)
-        self._metrics.watcher_revision(self.prefix, revision, self._newest)
-        self.freshness.proved()  # a linearizable read: its member had a leader
-        self._mark_connected()
+        batch = self._store.replace(entries, revision)
+        self.listed.set()
+        self._metrics.events_applied(self._prefix, (e.type.value for e in batch), 0.0)
+        self._freshness.proved()  # a linearizable read: its member had a leader
+        return revision
+
+    def apply(self, response: WatchResponse) -> None:
+        """Hand one response's changes to the store (decoded here, outside its lock)."""
+        if response.events:
+            started = time.perf_counter()
+            skip = len(self._prefix)
+            changes = []
+            for event in response.events:
+                key = event.kv.key.decode("utf-8", "backslashreplace")
+                record = self._decode(key, event.kv.value) if event.is_put else None
+                changes.append(Change(key, key[skip:], event.kv.mod_revision, record))
+            applied = self._store.apply(changes)
+            self._metrics.events_applied(
+                self._prefix, (kind.value for kind in applied), time.perf_counter() - started
+            )
+        self._freshness.proved()  # after the store took the batch (see _store.py)
 
     def _decode(self, key: str, value: bytes) -> EngineRecord | None:
         """The record at ``key`` if valid and selected; None (counted if invalid) otherwise."""
@@ -449,28 +317,11 @@ class EndpointWatcher:
             record = self._keyspace.decode(key, value)
         except RecordDecodeError as exc:
             with self._lock:
-                self._skipped += 1
-            self._metrics.malformed_value(self.prefix)
+                self.skipped += 1
+            self._metrics.malformed_value(self._prefix)
             log.warning("skipping malformed value: %s", exc)
             return None
-        return record if record.matches(self.selector) else None
-
-    def _apply(self, events: Sequence[WatchEvent]) -> None:
-        """Hand one response's changes to the store (decoded here, outside its lock)."""
-        started = time.perf_counter()
-        skip = len(self.prefix)
-        held = self.store.revision  # the watch starts there: its changes come again
-        changes = []
-        for event in events:
-            if event.kv.mod_revision <= held:
-                continue
-            key = event.kv.key.decode("utf-8", "backslashreplace")
-            record = self._decode(key, event.kv.value) if event.is_put else None
-            changes.append(Change(key, key[skip:], event.kv.mod_revision, record))
-        applied = self.store.apply(changes)
-        self._metrics.events_applied(
-            self.prefix, (kind.value for kind in applied), time.perf_counter() - started
-        )
+        return record if record.matches(self._selector) else None
 
 
 @dataclass(frozen=True)
@@ -500,7 +351,7 @@ def list_engines(
     settings: Settings | None = None,
     *,
     selector: Mapping[str, str] | None = None,
-    connection: Connection | None = None,
+    connection: EtcdPort | None = None,
     lease_ttls: bool = False,
 ) -> EngineListing:
     """Read the engines of a namespace once, at one revision (a paged, linearizable read).
@@ -510,8 +361,8 @@ def list_engines(
     returned in ``skipped``. Uses ``connection`` if given, else one built from
     ``settings`` (default: ``Settings.from_env()``) and closed before returning.
     """
-    with connection_for(connection, settings) as conn:
-        keyspace = conn.settings.keyspace
+    keyspace = keyspace_for(settings, connection)
+    with port_for(connection, settings) as conn:
         revision, kvs = conn.list_prefix(keyspace.prefix)
         engines = []
         skipped = []
@@ -528,17 +379,6 @@ def list_engines(
                 ttl = conn.call(partial(conn.lease_info, kv.lease)).ttl
             engines.append(ListedEngine(record, kv.key.decode(), kv.mod_revision, kv.lease, ttl))
         return EngineListing(revision, tuple(engines), tuple(skipped))
-
-
-def _cause(exc: BaseException) -> str:
-    """The reconnect cause a metric is labelled with."""
-    if isinstance(exc, Compacted):
-        return "compaction"
-    if isinstance(exc, StreamSilentError):
-        return "timeout"
-    if isinstance(exc, NoLeaderError):
-        return "no_leader"
-    return "stream_error"
 
 
 class _CallbackSink:

@@ -90,3 +90,76 @@ def test_the_library_never_imports_the_cli() -> None:
         if module.startswith("discovery.cli") or module == "discovery.__main__":
             continue
         assert not any(i.startswith("discovery.cli") for i in imports), module
+
+
+def _imported_names(source: str, package: str) -> list[tuple[str, str]]:
+    """(module, name) for every ``from module import name`` of ``source``, resolved."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            module = f"{base}.{node.module or ''}".strip(".") if node.level else node.module
+            found.extend((module or "", alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend((alias.name, "") for alias in node.names)
+    return found
+
+
+def _library_use_of_the_cli() -> dict[str, list[str]]:
+    """What each CLI module takes from the library that is not public."""
+    import discovery  # noqa: PLC0415
+
+    private: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE / "cli").rglob("*.py")):
+        for module, name in _imported_names(path.read_text(), _package(path)):
+            if not module.startswith("discovery") or module.startswith("discovery.cli"):
+                continue
+            if module == "discovery" and name in discovery.__all__:
+                continue  # the package's public names
+            parts = module.split(".")[1:]
+            if module != "discovery" and not any(p.startswith("_") for p in parts):
+                continue  # a public module (discovery.embedded, discovery.stand_in_engine)
+            private.setdefault(_module_name(path), []).append(f"{module}:{name}")
+    return private
+
+
+def test_the_cli_uses_only_public_names() -> None:
+    assert _library_use_of_the_cli() == {}
+
+
+def test_the_public_name_rule_sees_private_imports() -> None:
+    found = _imported_names("from .._launch import launch\nfrom .. import Settings\n", "a.cli")
+    assert found == [("a._launch", "launch"), ("a", "Settings")]
+
+
+def test_only_the_factory_and_the_package_import_the_adapter() -> None:
+    importers = {module for module, imports in MODULES.items() if ADAPTER in imports}
+    assert importers == {"discovery._transport", "discovery"}
+
+
+def _calls(module: str, attribute: str) -> bool:
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == attribute
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def test_one_watch_loop() -> None:
+    """Only the list-watch loop opens watches (the port and its adapters define them)."""
+    openers = {m for m in MODULES if _calls(m, "open_watch")}
+    assert openers == {"discovery._reflector"}
+
+
+def test_one_backoff_policy() -> None:
+    """Delays come from _backoff: no other module draws jitter or builds a tenacity wait."""
+    for module, imports in MODULES.items():
+        if module == "discovery._backoff":
+            continue
+        assert not _calls(module, "uniform"), f"{module} draws its own jittered delay"
+        waits = {i for i in imports if i.startswith("tenacity.wait")}
+        assert not waits, f"{module} builds its own tenacity wait: {sorted(waits)}"

@@ -34,12 +34,15 @@ INTENDED = {
     "Metrics",
     "MetricsHooks",
     "Connection",
+    "EtcdPort",
     # registration
     "register_engine",
     "register_dynamic_engine",
     "aregister_engine",
     "default_engine_id",
     "deregister_on_signals",
+    "drain_and_close",
+    "StopSignals",
     "deregister",
     "drain",
     "undrain",
@@ -49,6 +52,7 @@ INTENDED = {
     "RegistrationHealth",
     # automatic registration on engine start (Megatron's engine events)
     "EngineEventReceiver",
+    "launch",
     "ReceiverState",
     "ReceiverHealth",
     # watching and routing

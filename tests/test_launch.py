@@ -18,15 +18,15 @@ import pytest
 
 from discovery import Settings
 from discovery._launch import check_command
-from discovery._stand_in_engine import default_endpoint
 from discovery.cli import build_parser
+from discovery.stand_in_engine import default_endpoint
 
 from .helpers import WatchLog, cli_env, get_kv, run_cli, run_python, wait_for
 
 STAND_IN = [
     sys.executable,
     "-m",
-    "discovery._stand_in_engine",
+    "discovery.stand_in_engine",
     "--dynamo-parent-event-address",
     "{event_address}",
 ]

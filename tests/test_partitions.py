@@ -264,7 +264,7 @@ def test_a_watcher_whose_only_member_is_cut_says_stale_and_keeps_its_table(
         assert not table.snapshot().stale
         assert registry.get_sample_value("discovery_watcher_stale", labels) == 0
         assert any("current again" in r.getMessage() for r in caplog.records)
-        assert watcher._thread is not None and watcher._thread.is_alive()
+        assert watcher.health().state is WatcherState.CONNECTED  # its loop lives on
 
 
 def test_a_cut_shorter_than_the_election_timeout_changes_nothing(

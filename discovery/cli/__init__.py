@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .._errors import ConfigurationError, DiscoveryError, InvalidRecordError
+from .. import ConfigurationError, DiscoveryError, InvalidRecordError
 from ._args import (
     UsageError,
     add_endpoint_flags,

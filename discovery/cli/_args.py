@@ -14,13 +14,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .._endpoint import (
+from .. import (
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
+    Metrics,
     PrefixCachingCoordinatorPolicy,
+    Settings,
 )
-from .._metrics import Metrics
-from .._settings import Settings
 from ._logging import log_level
 
 log = logging.getLogger("discovery.cli")
@@ -84,6 +84,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         environ = {k: v for k, v in os.environ.items() if k != "DISCOVERY_ETCD_PASSWORD"}
         return Settings.from_env(environ, **overrides)
     return Settings.from_env(**overrides)
+
+
+def etcd_configured(args: argparse.Namespace) -> bool:
+    """Whether the command line or $DISCOVERY_ETCD_ENDPOINTS names an etcd."""
+    return bool(args.endpoints or os.environ.get("DISCOVERY_ETCD_ENDPOINTS"))
 
 
 def settings_argv(settings: Settings) -> list[str]:

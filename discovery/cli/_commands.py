@@ -10,12 +10,22 @@ import json
 import logging
 import sys
 
-from .._codec import EngineRecord, validate_labels
-from .._operators import deregister, drain, undrain
-from .._registration import RegistrationState, register_engine
-from .._signals import StopSignals, drain_and_close
-from .._store import EndpointEvent
-from .._watcher import EndpointWatcher, ListedEngine, list_engines
+from .. import (
+    EndpointEvent,
+    EndpointWatcher,
+    EngineEventReceiver,
+    EngineRecord,
+    ListedEngine,
+    RegistrationState,
+    StopSignals,
+    deregister,
+    drain,
+    drain_and_close,
+    launch,
+    list_engines,
+    register_engine,
+    undrain,
+)
 from ._args import (
     UsageError,
     endpoint_from_args,
@@ -79,11 +89,8 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     """Start an engine command and register it from its ready message (``_launch.py``)."""
-    from .._events import require_event_libraries  # noqa: PLC0415 - needs the launch extra
-    from .._launch import launch  # noqa: PLC0415
-
     try:
-        require_event_libraries()
+        EngineEventReceiver.require_libraries()  # the launch extra
     except ImportError as exc:
         raise UsageError(str(exc)) from None
     command = args.engine_command
@@ -218,7 +225,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     selector = parse_labels(args.selector, "--selector")
     stop = StopSignals()
     metrics = metrics_from_args(args)
-    watcher = EndpointWatcher(settings, selector=validate_labels(selector), metrics=metrics)
+    watcher = EndpointWatcher(settings, selector=selector, metrics=metrics)
     watcher.start()
 
     def emit(event: EndpointEvent) -> None:

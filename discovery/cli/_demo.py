@@ -21,16 +21,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .._endpoint import PrefixCachingCoordinatorPolicy
-from .._events import require_event_libraries
-from .._routing import watch_table
-from .._settings import ENV_PREFIX, Settings
-from .._stand_in_engine import default_endpoint
-from .._store import Batch, EventType, RoutingSnapshot
-from ._args import UsageError, metrics_from_args, settings_argv, settings_from_args
+from .. import (
+    EndpointEvent,
+    EngineEventReceiver,
+    EventType,
+    PrefixCachingCoordinatorPolicy,
+    RoutingSnapshot,
+    Settings,
+    watch_table,
+)
+from ..stand_in_engine import default_endpoint
+from ._args import (
+    UsageError,
+    etcd_configured,
+    metrics_from_args,
+    settings_argv,
+    settings_from_args,
+)
 from ._commands import format_event
 
 _POLICIES = tuple(PrefixCachingCoordinatorPolicy)
@@ -43,8 +53,7 @@ def _say(started: float, text: str) -> None:
 
 @contextlib.contextmanager
 def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
-    configured = args.endpoints or os.environ.get(f"{ENV_PREFIX}ETCD_ENDPOINTS")
-    if configured:
+    if etcd_configured(args):
         settings = settings_from_args(args)
         _say(started, f"using etcd at {', '.join(settings.endpoints)}")
         yield settings
@@ -71,7 +80,7 @@ def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
         "--ttl", str(ttl),
         *settings_argv(settings),
         "--log-level", "WARNING",
-        "--", sys.executable, "-m", "discovery._stand_in_engine",
+        "--", sys.executable, "-m", "discovery.stand_in_engine",
         "--dynamo-parent-event-address", "{event_address}",
         "--ready", json.dumps(ready),
     ]  # fmt: skip
@@ -82,7 +91,7 @@ def _engine_pid(launcher: subprocess.Popen[bytes]) -> int | None:
     with contextlib.suppress(OSError):
         children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
         for pid in children.split():
-            if b"_stand_in_engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"stand_in_engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return int(pid)
     return None
 
@@ -95,7 +104,7 @@ def _describe_table(snapshot: RoutingSnapshot) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
     try:
-        require_event_libraries()  # the engines run under discovery launch
+        EngineEventReceiver.require_libraries()  # the engines run under discovery launch
     except ImportError as exc:
         raise UsageError(str(exc)) from None
     started = time.monotonic()
@@ -107,7 +116,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with _etcd(args, started) as settings:
         table = watch_table(settings, metrics=metrics_from_args(args))
 
-        def show(events: Batch, snapshot: RoutingSnapshot) -> None:
+        def show(events: Sequence[EndpointEvent], snapshot: RoutingSnapshot) -> None:
             for event in events:
                 _say(started, format_event(event, "text"))
                 if event.type is EventType.REMOVED:

@@ -1,6 +1,6 @@
 r"""A stand-in for Megatron's rank zero, for the demo and the tests: no model, same frames.
 
-    python -m discovery._stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
+    python -m discovery.stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
         [--ready JSON] [--kv-events N] [--exit-status N]
 
 It does on the wire exactly what Megatron's ``EngineEventReporter`` does
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import msgpack  # noqa: PLC0415 - the launch extra; the demo imports default_endpoint
     import zmq  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m discovery._stand_in_engine")
+    parser = argparse.ArgumentParser(prog="python -m discovery.stand_in_engine")
     parser.add_argument("--dynamo-parent-event-address", required=True)
     parser.add_argument("--ready", type=json.loads, help="ready payload as JSON")
     parser.add_argument("--kv-events", type=int, default=4)
