@@ -42,7 +42,8 @@ from _common import (
 )
 
 from discovery import Connection, EndpointWatcher, RoutingTable, Settings
-from discovery._codec import EngineRecord, encode
+from discovery._codec import encode
+from discovery._record import EngineRecord
 
 NAMESPACE = "churn"
 VARIANTS = 4

@@ -4,14 +4,7 @@ Engines register an ``InferenceEngineEndpoint`` under a lease; routers watch the
 into a live ``RoutingTable``. See README.md for the key layout and the guarantees.
 """
 
-from ._codec import (
-    DEFAULT_NAMESPACE,
-    DEFAULT_ROOT,
-    MAX_VALUE_BYTES,
-    EngineRecord,
-    EngineStatus,
-    KeySpace,
-)
+from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, MAX_VALUE_BYTES, KeySpace
 from ._connection import Connection
 from ._endpoint import (
     InferenceEngineCapabilities,
@@ -46,6 +39,7 @@ from ._policies import (
     RoutingPolicy,
 )
 from ._port import EtcdPort
+from ._record import EngineRecord, EngineStatus
 from ._registration import (
     Registration,
     RegistrationHealth,

@@ -2,36 +2,43 @@
 
 Layout: one key per engine, ``{root}/{namespace}/engines/{engine_id}``, default root
 ``/inference/v1``, default namespace ``default``. The value is compact UTF-8 JSON:
-exactly ``InferenceEngineEndpoint.to_dict()`` plus optional top-level metadata
-(``engine_id``, ``labels``, ``registered_at``, ``status``, ``drain_deadline``) that
-Megatron's ``from_dict`` ignores. A value without ``status`` is ``ready``.
+exactly ``InferenceEngineEndpoint.to_dict()`` plus the top-level metadata that
+``EngineRecord`` declares (``_record.py``), which Megatron's ``from_dict`` ignores. A value
+without ``status`` is ``ready``. Encode and both decode paths below are derived from that
+declaration; keys this version does not know are kept (``extra``, ``extra_capabilities``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import json
-import re
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any
 
 import msgspec
 
-from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint, _set
+from ._endpoint import _FIELD_NAMES as CAPABILITY_FIELDS
+from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint
 from ._errors import InvalidRecordError, RecordDecodeError
+from ._record import (
+    KNOWN_KEYS,
+    SETTERS,
+    STORED,
+    EngineRecord,
+    _check_name,
+    validate_engine_id,
+    validate_namespace,
+)
 
 __all__ = [
     "DEFAULT_NAMESPACE",
     "DEFAULT_ROOT",
     "MAX_VALUE_BYTES",
-    "EngineRecord",
-    "EngineStatus",
     "KeySpace",
 ]
 
@@ -40,34 +47,9 @@ DEFAULT_NAMESPACE = "default"
 MAX_VALUE_BYTES = 16 * 1024
 """Largest encoded value we write; a full record with a dozen labels is under 1 KiB."""
 
-_NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,128}")  # and not only dots
-_LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
-_MAX_LABEL_VALUE = 256
-_MAX_LABELS = 64
-_NO_LABELS: Mapping[str, str] = MappingProxyType({})
 _SHARED = 4096
 """How many distinct capability records (and label sets) decoding shares an instance of."""
-
-
-def _check_name(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidRecordError(f"{what} must be a string, not {type(value).__name__}")
-    if not _NAME.fullmatch(value):
-        raise InvalidRecordError(
-            f"{what} {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-' "
-            "(and not only dots)"
-        )
-    return value
-
-
-def validate_engine_id(engine_id: object) -> str:
-    """Return ``engine_id`` if it is key-safe, else raise InvalidRecordError."""
-    return _check_name(engine_id, "engine id")
-
-
-def validate_namespace(namespace: object) -> str:
-    """Return ``namespace`` if it is key-safe, else raise InvalidRecordError."""
-    return _check_name(namespace, "namespace")
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def validate_root(root: object) -> str:
@@ -79,28 +61,6 @@ def validate_root(root: object) -> str:
     for segment in root[1:].split("/"):
         _check_name(segment, f"root segment of {root!r}")
     return root
-
-
-def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
-    """Return a read-only copy of ``labels`` after checking keys, values and count."""
-    if labels is None:
-        return _NO_LABELS
-    if not isinstance(labels, Mapping):
-        raise InvalidRecordError(f"labels must be a mapping, not {type(labels).__name__}")
-    if len(labels) > _MAX_LABELS:
-        raise InvalidRecordError(f"at most {_MAX_LABELS} labels are allowed, got {len(labels)}")
-    for key, value in labels.items():
-        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
-            raise InvalidRecordError(
-                f"label key {key!r} is not allowed: use 1-63 letters, digits, '.', '_', '/' or '-'"
-            )
-        if not isinstance(value, str):
-            raise InvalidRecordError(f"label {key!r} must be a string, not {type(value).__name__}")
-        if len(value) > _MAX_LABEL_VALUE or not value.isprintable():
-            raise InvalidRecordError(
-                f"label {key!r} must be printable and at most {_MAX_LABEL_VALUE} characters"
-            )
-    return MappingProxyType(dict(labels))
 
 
 @dataclass(frozen=True)
@@ -141,153 +101,21 @@ class KeySpace:
         return decode(key, value, self.engine_id(key))
 
 
-class EngineStatus(enum.StrEnum):
-    """What routers may do with an engine (the ``status`` of its record).
-
-    Routers pick only ``ready`` engines by default. A value without ``status`` is ``ready``.
-    """
-
-    STARTING = "starting"
-    """Registered (visible to operators) but not taking requests yet."""
-    READY = "ready"
-    """Taking new requests."""
-    DRAINING = "draining"
-    """Finishing the requests it has, taking no new ones; leaves at ``drain_deadline``."""
-
-
-def validate_status(status: object) -> EngineStatus:
-    """Return ``status`` as an EngineStatus, or raise InvalidRecordError naming it."""
-    try:
-        return EngineStatus(status)  # type: ignore[arg-type]  # anything: refused below
-    except ValueError:
-        names = ", ".join(s.value for s in EngineStatus)
-        raise InvalidRecordError(f"status {status!r} is not one of {names}") from None
-
-
-def drain_deadline_after(timeout: object) -> datetime:
-    """The drain deadline ``timeout`` seconds from now, or InvalidRecordError naming it."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-        raise InvalidRecordError(f"drain timeout must be >= 0 seconds, got {timeout!r}")
-    return datetime.now(UTC) + timedelta(seconds=timeout)
-
-
-def _checked_status(status: object, deadline: object) -> tuple[EngineStatus, datetime | None]:
-    """A record's status (None: ready) and drain deadline (UTC), checked together."""
-    checked = EngineStatus.READY if status is None else validate_status(status)
-    if deadline is None:
-        return checked, None
-    if not isinstance(deadline, datetime) or deadline.tzinfo is None:
-        raise InvalidRecordError("drain_deadline must be a timezone-aware datetime")
-    if checked is not EngineStatus.DRAINING:
-        raise InvalidRecordError(
-            f"drain_deadline is only allowed on a draining record, not {checked}"
-        )
-    return checked, deadline.astimezone(UTC)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRecord:
-    """One engine as stored in etcd: id, endpoint, labels, registration time and status.
-
-    ``drain_deadline`` (UTC) is when a ``draining`` engine leaves; None means it drains
-    until someone undrains or removes it. Only a draining record may carry one.
-    """
-
-    engine_id: str
-    endpoint: InferenceEngineEndpoint
-    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    registered_at: datetime | None = None
-    status: EngineStatus = EngineStatus.READY
-    drain_deadline: datetime | None = None
-
-    def __post_init__(self) -> None:
-        """Validate the metadata; the endpoint validates itself."""
-        validate_engine_id(self.engine_id)
-        if not isinstance(self.endpoint, InferenceEngineEndpoint):
-            raise InvalidRecordError("endpoint must be an InferenceEngineEndpoint")
-        object.__setattr__(self, "labels", validate_labels(self.labels))
-        if self.registered_at is not None and not isinstance(self.registered_at, datetime):
-            raise InvalidRecordError("registered_at must be a datetime")
-        status, deadline = _checked_status(self.status, self.drain_deadline)
-        object.__setattr__(self, "status", status)
-        object.__setattr__(self, "drain_deadline", deadline)
-
-    @property
-    def ready(self) -> bool:
-        """Whether routers pick this engine by default (status ``ready``)."""
-        return self.status is EngineStatus.READY
-
-    @classmethod
-    def _decoded(
-        cls,
-        engine_id: str,
-        endpoint: InferenceEngineEndpoint,
-        labels: Mapping[str, str],
-        registered_at: datetime | None,
-        status: tuple[EngineStatus, datetime | None],
-    ) -> EngineRecord:
-        """A record from parts the decoder has already validated: nothing is checked twice."""
-        record = object.__new__(cls)
-        _set(record, "engine_id", engine_id)
-        _set(record, "endpoint", endpoint)
-        _set(record, "labels", labels)
-        _set(record, "registered_at", registered_at)
-        _set(record, "status", status[0])
-        _set(record, "drain_deadline", status[1])
-        return record
-
-    def matches(self, selector: Mapping[str, str] | None) -> bool:
-        """Whether every ``key: value`` of ``selector`` is among this record's labels."""
-        return not selector or all(self.labels.get(k) == v for k, v in selector.items())
-
-    def to_value(self) -> dict[str, Any]:
-        """Return the JSON object stored in etcd: Megatron's ``to_dict()`` plus metadata."""
-        value = self.endpoint.to_dict()
-        value["engine_id"] = self.engine_id
-        if self.labels:
-            value["labels"] = dict(self.labels)
-        if self.registered_at is not None:
-            value["registered_at"] = _format_time(self.registered_at)
-        value["status"] = self.status.value
-        if self.drain_deadline is not None:
-            value["drain_deadline"] = _format_time(self.drain_deadline)
-        return value
-
-
-class RecordView:
-    """Shortcuts to the ``record`` an object carries (events, pick handles)."""
-
-    __slots__ = ()
-    record: EngineRecord
-
-    @property
-    def engine_id(self) -> str:
-        """The engine's id."""
-        return self.record.engine_id
-
-    @property
-    def endpoint(self) -> InferenceEngineEndpoint:
-        """The engine's endpoint: coordinator address and capabilities."""
-        return self.record.endpoint
-
-    @property
-    def labels(self) -> Mapping[str, str]:
-        """The engine's labels."""
-        return self.record.labels
-
-    @property
-    def status(self) -> EngineStatus:
-        """The engine's status: starting, ready or draining."""
-        return self.record.status
-
-
 _encoder = msgspec.json.Encoder()
 
 
 def encode(record: EngineRecord) -> bytes:
     """Encode ``record`` as compact UTF-8 JSON, refusing values over MAX_VALUE_BYTES."""
-    # Byte for byte json.dumps(separators=(",", ":"), ensure_ascii=False), 10x faster.
-    data = _encoder.encode(record.to_value())
+    value = record.to_value()
+    try:
+        if record.extra or record.extra_capabilities:
+            # Keys we do not know go back as json.loads read them (NaN, lone surrogates).
+            data = json.dumps(value, separators=(",", ":")).encode()
+        else:
+            # Byte for byte json.dumps(separators=(",", ":"), ensure_ascii=False), 10x faster.
+            data = _encoder.encode(value)
+    except (TypeError, ValueError) as exc:  # an extra key's value given in Python, say
+        raise InvalidRecordError(f"record for {record.engine_id!r} is not JSON: {exc}") from None
     if len(data) > MAX_VALUE_BYTES:
         raise InvalidRecordError(
             f"encoded record for {record.engine_id!r} is {len(data)} bytes, over the "
@@ -297,7 +125,10 @@ def encode(record: EngineRecord) -> bytes:
 
 
 def _wire_struct(cls: type) -> type[msgspec.Struct]:
-    """A msgspec Struct with the fields, types and defaults of dataclass ``cls``."""
+    """A msgspec Struct with the fields, types and defaults of dataclass ``cls``.
+
+    Unknown fields are refused: such a value takes the exact path, which keeps them.
+    """
     hints = typing.get_type_hints(cls)
     return msgspec.defstruct(
         f"_Wire{cls.__name__}",
@@ -309,33 +140,32 @@ def _wire_struct(cls: type) -> type[msgspec.Struct]:
         ],
         frozen=True,  # hashable: the key that shares equal capabilities
         gc=False,
+        forbid_unknown_fields=True,
     )
 
 
 _capabilities_decoder = msgspec.json.Decoder(_wire_struct(InferenceEngineCapabilities))
-_labels_decoder = msgspec.json.Decoder(dict[str, str] | None)
 _NULL = msgspec.Raw(b"null")
 
-
-class _WireValue(msgspec.Struct, gc=False):
-    """A stored value as msgspec checks it: the JSON types of the fields read each time.
-
-    Capabilities and labels stay raw JSON: their bytes are the key under which engines
-    share one validated instance, so a repeated set costs one bytes object, not a parse.
-    """
-
-    coordinator_address: str
-    capabilities: msgspec.Raw
-    engine_id: str | msgspec.UnsetType = msgspec.UNSET  # null is a mismatch, not "absent"
-    labels: msgspec.Raw = _NULL
-    registered_at: str | None = None
-    status: str | None = None  # absent (older values, bare Megatron ones): ready
-    drain_deadline: str | None = None
-
-
+_WireValue = msgspec.defstruct(
+    "_WireValue",
+    [
+        ("coordinator_address", str),
+        # Raw: its bytes are the key under which engines share one validated instance.
+        ("capabilities", msgspec.Raw),
+        ("engine_id", str | msgspec.UnsetType, msgspec.UNSET),  # null is a mismatch
+        *(
+            (name, msgspec.Raw, _NULL) if stored.form.shared else (name, stored.form.wire, None)
+            for name, stored in STORED
+        ),
+    ],
+    gc=False,
+    forbid_unknown_fields=True,
+)
+"""A stored value as msgspec checks it: the JSON type of every field this version knows."""
 _wire_decoder = msgspec.json.Decoder(_WireValue)
+_wire_metadata = attrgetter(*(name for name, _ in STORED))
 _shared_capabilities: dict[bytes, InferenceEngineCapabilities] = {}
-_shared_labels: dict[bytes, Mapping[str, str]] = {}
 
 
 def _capabilities_of(raw: bytes) -> InferenceEngineCapabilities:
@@ -343,11 +173,7 @@ def _capabilities_of(raw: bytes) -> InferenceEngineCapabilities:
     return InferenceEngineCapabilities(*msgspec.structs.astuple(wire))
 
 
-def _labels_of(raw: bytes) -> Mapping[str, str]:
-    return validate_labels(_labels_decoder.decode(raw))
-
-
-def _shared(cache: dict[bytes, Any], raw: msgspec.Raw, build: Callable[[bytes], Any]) -> Any:
+def _shared(cache: dict[bytes, Any], build: Callable[[bytes], Any], raw: msgspec.Raw) -> Any:
     """The instance built from JSON ``raw``, shared by every value with the same bytes."""
     key = bytes(raw)
     found = cache.get(key)
@@ -359,16 +185,32 @@ def _shared(cache: dict[bytes, Any], raw: msgspec.Raw, build: Callable[[bytes], 
     return found
 
 
+def _fast_loader(load: Callable[[Any], Any], shared: bool) -> Callable[[Any], Any]:
+    if not shared:
+        return load
+    cache: dict[bytes, Any] = {}
+    build = lambda raw: load(msgspec.json.decode(raw))  # noqa: E731
+    return functools.partial(_shared, cache, build)
+
+
+_fast_loaders = tuple(_fast_loader(s.form.load, s.form.shared) for _, s in STORED)
+_absent = tuple(s.form.load(None) for _, s in STORED)  # each field's value when not stored
+_stored_setters = tuple(SETTERS[name] for name, _ in STORED)
+_set_engine_id, _set_endpoint, _set_extra, _set_extra_capabilities = (
+    SETTERS[name] for name in ("engine_id", "endpoint", "extra", "extra_capabilities")
+)
+
+
 def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     """Decode the value stored at ``key``, or raise RecordDecodeError.
 
     ``engine_id`` is the id the key names, already validated (``KeySpace.engine_id``).
-    One pass: msgspec parses and checks the JSON type of every field we read (an int is
-    never a bool or a float, as Megatron requires), then ranges and label rules are
-    checked once per distinct capability record and label set, and engines that share
-    them share one instance. Any value msgspec refuses takes the exact path (``json.loads``
-    and Megatron's ``from_dict``), which accepts what Megatron accepts and names the
-    problem: the hot path never decides that a value is bad.
+    One pass: msgspec parses and checks the JSON type of every field (an int is never a
+    bool or a float, as Megatron requires), then each field's own check runs, once per
+    distinct capability record and label set, which engines then share. Any value msgspec
+    refuses (a key this version does not know included) takes the exact path (``json.loads``
+    and Megatron's ``from_dict``), which accepts what Megatron accepts, keeps unknown keys
+    and names any problem: the hot path never decides that a value is bad.
     """
     try:
         if not value.isascii():  # ASCII, the usual value, is UTF-8 as it stands
@@ -379,18 +221,22 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     return _exact_record(key, _loads_exactly(key, value), engine_id)
 
 
-def _fast_record(wire: _WireValue, engine_id: str) -> EngineRecord:
+def _fast_record(wire: Any, engine_id: str) -> EngineRecord:
     """The record of a value msgspec has type-checked; raises on any other problem."""
     if wire.engine_id is not msgspec.UNSET and wire.engine_id != engine_id:
         raise ValueError("engine_id does not match the key")
-    capabilities = _shared(_shared_capabilities, wire.capabilities, _capabilities_of)
-    return EngineRecord._decoded(
-        engine_id,
-        InferenceEngineEndpoint._checked(wire.coordinator_address, capabilities),
-        _shared(_shared_labels, wire.labels, _labels_of),
-        _parse_time(wire.registered_at, "registered_at"),
-        _checked_status(wire.status, _parse_time(wire.drain_deadline, "drain_deadline")),
-    )
+    capabilities = _shared(_shared_capabilities, _capabilities_of, wire.capabilities)
+    record = object.__new__(EngineRecord)  # every field set below, each checked once
+    _set_engine_id(record, engine_id)
+    _set_endpoint(record, InferenceEngineEndpoint._checked(wire.coordinator_address, capabilities))
+    for set_field, load, absent, raw in zip(
+        _stored_setters, _fast_loaders, _absent, _wire_metadata(wire), strict=False
+    ):
+        set_field(record, absent if raw is None else load(raw))
+    _set_extra(record, _EMPTY)  # the Struct refuses unknown keys: there are none
+    _set_extra_capabilities(record, _EMPTY)
+    record._check_together()
+    return record
 
 
 def _loads_exactly(key: str, value: bytes) -> Any:
@@ -418,27 +264,24 @@ def _exact_record(key: str, obj: Any, engine_id: str) -> EngineRecord:
     if stored_id != engine_id:
         raise RecordDecodeError(key, f"engine_id {stored_id!r} does not match the key")
     try:
-        return EngineRecord._decoded(
-            engine_id,
-            endpoint,
-            validate_labels(obj.get("labels")),  # null: none; false, [] or "" are bad
-            _parse_time(obj.get("registered_at"), "registered_at"),
-            _checked_status(
-                obj.get("status"),
-                _parse_time(obj.get("drain_deadline"), "drain_deadline"),
-            ),
-        )
+        values = [stored.form.load(obj.get(name)) for name, stored in STORED]
     except ValueError as exc:  # InvalidRecordError is one
+        raise RecordDecodeError(key, str(exc)) from exc
+    try:
+        return EngineRecord._decoded(
+            (
+                engine_id,
+                endpoint,
+                *values,
+                unknown_keys(obj, KNOWN_KEYS),
+                unknown_keys(obj["capabilities"], CAPABILITY_FIELDS),
+            )
+        )
+    except ValueError as exc:
         raise RecordDecodeError(key, str(exc)) from exc
 
 
-def _format_time(moment: datetime) -> str:
-    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _parse_time(text: object, name: str) -> datetime | None:
-    if text is None:
-        return None
-    if not isinstance(text, str):
-        raise ValueError(f"{name} must be an ISO 8601 string, not {type(text).__name__}")
-    return datetime.fromisoformat(text)
+def unknown_keys(obj: Mapping[str, Any], known: tuple[str, ...]) -> Mapping[str, Any]:
+    """The keys of ``obj`` not in ``known``, read-only (the shared empty one when none)."""
+    extra = {k: v for k, v in obj.items() if k not in known}
+    return MappingProxyType(extra) if extra else _EMPTY

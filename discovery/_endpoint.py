@@ -178,7 +178,8 @@ def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
 
 
 def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | None:
-    policy = context.config.prefix_caching_coordinator_policy
+    # Megatron's inference config has the field since March 2026; before, no policy.
+    policy = getattr(getattr(context, "config", None), "prefix_caching_coordinator_policy", None)
     if policy is None or isinstance(policy, PrefixCachingCoordinatorPolicy):
         return policy
     # Megatron's own enum member: same values, a different class.

@@ -36,11 +36,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._codec import EngineRecord, encode, validate_engine_id, validate_labels
+from ._codec import encode
 from ._dispatch import Dispatcher, Listeners
 from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint
 from ._errors import ClosedError, ConfigurationError, DiscoveryError, InvalidRecordError
 from ._metrics import NO_METRICS, MetricsHooks
+from ._record import EngineRecord, validate_engine_id, validate_labels
 from ._registration import Registration, default_engine_id, register_engine
 from ._session import check_ttl
 

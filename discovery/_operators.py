@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-from ._codec import EngineRecord, EngineStatus, drain_deadline_after, encode
+from ._codec import encode
 from ._port import EtcdPort
+from ._record import EngineRecord, EngineStatus, drain_deadline_after
 from ._settings import Settings
 from ._transport import keyspace_for, port_for
 

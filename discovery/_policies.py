@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Generic, NamedTuple, TypeVar
 
-from ._codec import EngineRecord
+from ._record import EngineRecord
 
 __all__ = [
     "Candidate",

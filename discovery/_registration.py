@@ -40,15 +40,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from ._codec import (
-    EngineRecord,
-    EngineStatus,
-    KeySpace,
-    drain_deadline_after,
-    encode,
-    validate_engine_id,
-    validate_status,
-)
+from ._codec import KeySpace, encode
 from ._dispatch import Listeners
 from ._endpoint import DynamicEngineLike, InferenceEngineEndpoint
 from ._errors import (
@@ -61,6 +53,15 @@ from ._errors import (
 from ._lease import LeaseKeeper
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import EtcdPort, KeyValue, LeaseGone, PutResult
+from ._record import (
+    EndpointLike,
+    EngineRecord,
+    EngineStatus,
+    drain_deadline_after,
+    endpoint_parts,
+    validate_engine_id,
+    validate_status,
+)
 from ._recordwatch import RecordWatch, record_watch_for
 from ._session import Session, check_ttl
 from ._settings import Settings
@@ -261,22 +262,32 @@ class Registration:
     def update(
         self,
         *,
-        endpoint: InferenceEngineEndpoint | None = None,
+        endpoint: InferenceEngineEndpoint | EndpointLike | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> None:
         """Publish a changed endpoint and/or labels atomically under the same lease.
 
-        Raises EtcdUnavailableError when etcd cannot be reached in time; the change is
-        kept and published as soon as etcd answers again.
+        ``endpoint`` may be Megatron-Core's own record (any object with its ``to_dict()``);
+        keys of it this version does not know are stored too. Keys of the stored value
+        this version does not know stay as they are. Raises EtcdUnavailableError when etcd
+        cannot be reached in time; the change is kept and published as soon as etcd
+        answers again.
         """
-        self._change(
-            lambda record: replace(
+        parts = None if endpoint is None else endpoint_parts(endpoint)
+
+        def change(record: EngineRecord) -> EngineRecord:
+            if parts is None:
+                return replace(record, labels=record.labels if labels is None else labels)
+            new, extra, extra_capabilities = parts
+            return replace(
                 record,
-                endpoint=record.endpoint if endpoint is None else endpoint,
+                endpoint=new,
                 labels=record.labels if labels is None else labels,
-            ),
-            status=False,
-        )
+                extra={**record.extra, **extra},
+                extra_capabilities=extra_capabilities or record.extra_capabilities,
+            )
+
+        self._change(change, status=False)
 
     def set_status(self, status: EngineStatus | str) -> None:
         """Publish a new status (``starting``, ``ready``, ``draining`` without deadline).
@@ -602,8 +613,9 @@ class Registration:
     def _adopt(self, kv: KeyValue) -> bool:
         """Take an outside change of our key; whether ours must be written over it.
 
-        Takes its revision, and its status unless the engine's code has just set one of
-        its own (which then goes on top).
+        Takes its revision, the keys this version does not know, and the fields outside
+        writers own (its status) unless the engine's code has just set its own status
+        (which then goes on top).
         """
         try:
             found = self._keyspace.decode(kv.key, kv.value)
@@ -618,11 +630,9 @@ class Registration:
             self._mod_revision = kv.mod_revision
             adopted = found is not None and not self._own_status
             before = self._record.status
-            if adopted and found is not None:
-                self._record = replace(
-                    self._record, status=found.status, drain_deadline=found.drain_deadline
-                )
-            else:
+            if found is not None:
+                self._record = self._record.adopting(found, fields=adopted)
+            if not adopted:
                 self._dirty = True
         if adopted:
             if self._record.status is not before:
@@ -645,7 +655,7 @@ def _stamped(record: EngineRecord) -> EngineRecord:
 
 
 def register_engine(
-    endpoint: InferenceEngineEndpoint,
+    endpoint: InferenceEngineEndpoint | EndpointLike,
     *,
     engine_id: str | None = None,
     ttl: float | None = None,
@@ -659,6 +669,8 @@ def register_engine(
 ) -> Registration:
     """Register ``endpoint`` in etcd under a lease and keep it alive until closed.
 
+    ``endpoint`` is our ``InferenceEngineEndpoint`` or Megatron-Core's own (any object
+    with its ``to_dict()``; keys of it this version does not know are stored too).
     Everything is validated before anything is written. ``status`` is what routers see
     (``starting`` until the engine takes requests, then ``set_status("ready")``).
     ``ttl`` (default 10 s) sizes the registration's own lease; with ``session`` the
@@ -670,9 +682,12 @@ def register_engine(
     ``settings`` (default: ``Settings.from_env()``). ``metrics`` exports this
     registration's state, status and keepalives (see ``Metrics``).
     """
+    endpoint, extra, extra_capabilities = endpoint_parts(endpoint)
     record = EngineRecord(
         engine_id=default_engine_id() if engine_id is None else validate_engine_id(engine_id),
         endpoint=endpoint,
+        extra=extra,
+        extra_capabilities=extra_capabilities,
         labels=labels or {},
         registered_at=datetime.now(UTC),
         status=validate_status(status),
@@ -718,6 +733,8 @@ def register_dynamic_engine(
     return register_engine(endpoint, **kwargs)
 
 
-async def aregister_engine(endpoint: InferenceEngineEndpoint, **kwargs: Any) -> Registration:
+async def aregister_engine(
+    endpoint: InferenceEngineEndpoint | EndpointLike, **kwargs: Any
+) -> Registration:
     """:func:`register_engine` without blocking the event loop."""
     return await asyncio.to_thread(register_engine, endpoint, **kwargs)

@@ -51,7 +51,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ._codec import EngineRecord, EngineStatus, RecordView, validate_status
 from ._errors import NoEngineAvailableError
 from ._fencing import (
     DEFAULT_FENCE_AFTER,
@@ -75,6 +74,7 @@ from ._policies import (
     RoundRobinPolicy,
     RoutingPolicy,
 )
+from ._record import EngineRecord, EngineStatus, RecordView, validate_status
 from ._routing import RoutingTable
 from ._store import RoutingSnapshot
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from ._codec import EngineRecord
 from ._dispatch import Listeners
 from ._metrics import MetricsHooks
 from ._port import EtcdPort
+from ._record import EngineRecord
 from ._settings import Settings
 from ._store import Batch, EngineStore, RoutingSnapshot
 from ._watcher import EndpointWatcher

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from ._backoff import REPAIR
-from ._codec import EngineRecord, KeySpace
+from ._codec import KeySpace
 from ._errors import (
     ClosedError,
     DiscoveryError,
@@ -50,6 +50,7 @@ from ._errors import (
 from ._lease import LeaseKeeper, keeper_for
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import MAX_BATCH, EtcdPort, KeepAliveStream, LeaseGone, PutResult, explain
+from ._record import EngineRecord
 from ._settings import Settings
 from ._transport import connect, keyspace_for
 

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple, Protocol
 
 import immutables
 
-from ._codec import EngineRecord, RecordView
 from ._dispatch import Dispatcher
+from ._record import EngineRecord, RecordView
 from ._staleness import Freshness
 
 __all__ = ["EndpointEvent", "EventType", "RoutingSnapshot"]
@@ -55,15 +55,18 @@ class EndpointEvent(RecordView):
     """The new record; for ``removed``, the last known one."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON-lines form: type, engine_id, key, revision, endpoint, labels, status."""
+        """The JSON-lines form: type, engine_id, key, revision, endpoint, metadata.
+
+        The metadata is every field the record declares (``labels``, ``status``, ...;
+        null where unset).
+        """
         return {
             "type": self.type.value,
             "engine_id": self.engine_id,
             "key": self.key,
             "revision": self.revision,
             "endpoint": self.endpoint.to_dict(),
-            "labels": dict(self.labels),
-            "status": self.status.value,
+            **self.record.metadata(),
         }
 
 

@@ -51,11 +51,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 
-from ._codec import EngineRecord, KeySpace, RecordView, validate_labels
+from ._codec import KeySpace
 from ._dispatch import Dispatcher
 from ._errors import DiscoveryError, EtcdUnavailableError, RecordDecodeError
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import EtcdPort, KeyValue, WatchResponse
+from ._record import EngineRecord, RecordView, validate_labels
 from ._reflector import Reflector, WatcherState
 from ._settings import Settings, positive_seconds
 from ._staleness import Freshness, default_stale_after

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from discovery import Settings, register_engine
-from discovery._codec import EngineRecord
+from discovery._record import EngineRecord
 from discovery.cli import build_parser
 from discovery.cli._args import settings_argv, settings_from_args
 
@@ -164,7 +164,8 @@ def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: 
     try:
         added = json.loads(watch.stdout.readline())
         assert set(added) == {
-            "type", "engine_id", "key", "revision", "endpoint", "labels", "status"
+            "type", "engine_id", "key", "revision", "endpoint",
+            "labels", "registered_at", "status", "drain_deadline",
         }  # fmt: skip
         assert (added["type"], added["engine_id"]) == ("added", "victim")
         assert added["endpoint"]["coordinator_address"] == "tcp://victim:5555"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from datetime import UTC, datetime, timedelta, timezone
@@ -23,7 +24,8 @@ from discovery import (
     PrefixCachingCoordinatorPolicy,
     RecordDecodeError,
 )
-from discovery._codec import decode, encode, validate_engine_id, validate_labels
+from discovery._codec import decode, encode
+from discovery._record import validate_engine_id, validate_labels
 
 from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
 
@@ -318,9 +320,13 @@ def test_integers_beyond_64_bits_round_trip() -> None:
 
 @pytest.mark.parametrize("extra", [b"NaN", b"-Infinity", b'"\\ud800"'], ids=repr)
 def test_values_json_loads_reads_decode(extra: bytes) -> None:
-    # Unknown keys are ignored, as Megatron's json.loads + from_dict ignore them.
+    # Megatron's json.loads + from_dict read them; we also keep the key we do not know
+    # and write it back as it was.
     value = encode(make_record())[:-1] + b',"future":' + extra + b"}"
-    assert KeySpace().decode(KEY.encode(), value) == make_record()
+    decoded = KeySpace().decode(KEY.encode(), value)
+    assert dataclasses.replace(decoded, extra={}) == make_record()
+    assert list(decoded.extra) == ["future"]
+    assert encode(decoded).endswith(b',"future":' + extra + b"}")
 
 
 def test_non_utf8_bytes_in_an_ignored_field_are_still_not_utf8() -> None:

@@ -39,7 +39,7 @@ import yaml
 from kubernetes_validate import SchemaNotFoundError, ValidationError
 
 from discovery import ConfigurationError, InferenceEngineEndpoint, Settings
-from discovery._codec import validate_engine_id, validate_labels
+from discovery._record import validate_engine_id, validate_labels
 from discovery._settings import env_names
 from discovery.cli import build_parser
 from discovery.embedded import EtcdCluster, ServerTLS, find_binary

@@ -12,6 +12,7 @@ import pytest
 
 import discovery
 from discovery import Settings, register_engine
+from discovery._record import STORED, field_table
 
 from .helpers import cli_env, make_endpoint, run_python
 
@@ -159,3 +160,11 @@ def test_readme_watch_example_on_an_empty_namespace_prints_a_real_revision(
     assert returncode == 0, err
     count, revision = re.search(r"^(\d+) engines at revision (\d+)$", out, re.M).groups()
     assert count == "0" and int(revision) > 0, out
+
+
+def test_readme_field_table_is_the_declared_one() -> None:
+    """README's stored-field table is rendered from EngineRecord's declaration."""
+    table = README.split("<!-- fields:begin -->\n")[1].split("<!-- fields:end -->")[0]
+    assert table == field_table() + "\n", "README's field table is out of date: ./dev docs"
+    for name, _ in STORED:
+        assert f"| `{name}` |" in table

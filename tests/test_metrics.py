@@ -25,7 +25,8 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery._codec import EngineRecord, encode
+from discovery._codec import encode
+from discovery._record import EngineRecord
 
 from .helpers import Registrar, cli_env, etcdctl, make_endpoint, raw_call, run_cli, wait_for
 

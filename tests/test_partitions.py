@@ -31,7 +31,8 @@ from discovery import (
     WatcherState,
     register_engine,
 )
-from discovery._codec import EngineRecord, encode
+from discovery._codec import encode
+from discovery._record import EngineRecord
 from discovery.embedded import EtcdMember
 from discovery.embedded_netns import PartitionableCluster
 

@@ -44,7 +44,7 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery._codec import EngineRecord
+from discovery._record import EngineRecord
 from discovery._store import Change, EngineStore
 
 from .helpers import make_endpoint

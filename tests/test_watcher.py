@@ -29,7 +29,8 @@ from discovery import (
     WatcherState,
     watch_table,
 )
-from discovery._codec import EngineRecord, encode
+from discovery._codec import encode
+from discovery._record import EngineRecord
 
 from .containers import both_etcds
 from .helpers import etcdctl, make_endpoint, raw_call, wait_for
@@ -119,7 +120,9 @@ def test_events_added_updated_removed_with_last_known_record(settings: Settings)
             "revision",
             "endpoint",
             "labels",
+            "registered_at",
             "status",
+            "drain_deadline",
         }
     client.close()
 

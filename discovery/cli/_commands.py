@@ -144,13 +144,13 @@ def _print_status(engine_id: str, key: str, record: EngineRecord | None) -> int:
     if record is None:
         print(f"no engine {engine_id!r} at {key}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"engine {engine_id!r} is {record.status}{_until(record)}")
+    print(f"engine {engine_id!r} is {_cells(record, lead=True)}")
     return 0
 
 
-def _until(record: EngineRecord) -> str:
-    deadline = record.drain_deadline
-    return "" if deadline is None else f" until {deadline.isoformat(timespec='seconds')}"
+def _cells(record: EngineRecord, *, lead: bool) -> str:
+    """The record's metadata cells (its declared columns), lead or trailing ones."""
+    return " ".join(cell for cell in record.column_cells(lead=lead) if cell != "-")
 
 
 # -- list / watch ---------------------------------------------------------------------------
@@ -178,9 +178,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _table(engines: tuple[ListedEngine, ...]) -> str:
+    # The record's own columns come from its declaration: lead ones after the id, the
+    # rest at the end; the endpoint's (Megatron's fields) and the lease's in between.
     header = (
-        "ENGINE", "STATUS", "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL",
-        "LABELS",
+        "ENGINE", *EngineRecord.column_headers(lead=True),
+        "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL",
+        *EngineRecord.column_headers(lead=False),
     )  # fmt: skip
     lines = [header]
     for engine in engines:
@@ -189,7 +192,7 @@ def _table(engines: tuple[ListedEngine, ...]) -> str:
         lines.append(
             (
                 engine.engine_id,
-                f"{engine.status}{_until(engine.record)}",
+                *engine.record.column_cells(lead=True),
                 engine.endpoint.coordinator_address,
                 str(caps.context_length),
                 str(caps.kv_cache_block_size),
@@ -197,7 +200,7 @@ def _table(engines: tuple[ListedEngine, ...]) -> str:
                 str(caps.max_num_seqs),
                 str(policy) if policy else ("-" if caps.enable_prefix_caching else "off"),
                 "-" if engine.ttl is None else f"{engine.ttl}s",
-                ",".join(f"{k}={v}" for k, v in sorted(engine.labels.items())) or "-",
+                *engine.record.column_cells(lead=False),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -211,11 +214,11 @@ def format_event(event: EndpointEvent, fmt: str) -> str:
     """One output line for ``discovery watch``."""
     if fmt == "jsonl":
         return json.dumps(event.to_dict(), separators=(",", ":"))
-    labels = ",".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+    trailing = _cells(event.record, lead=False)
     return (
         f"{event.type.value:<8} {event.engine_id} {event.endpoint.coordinator_address} "
-        f"{event.status}{_until(event.record)} rev={event.revision}"
-        f"{' ' + labels if labels else ''}"
+        f"{_cells(event.record, lead=True)} rev={event.revision}"
+        f"{' ' + trailing if trailing else ''}"
     )
 
 
