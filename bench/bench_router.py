@@ -26,7 +26,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from _common import append_results, memory_table
+from _common import Target, append_results, memory_table
 
 from discovery import Router, RoutingPolicy, RoutingTable
 
@@ -170,11 +170,11 @@ def main() -> None:
             f"{spread[row, n][0]:>7.2f} /{spread[row, n][1]:>5.2f}" for n in (8, 64, "distinct")
         )
         lines.append(f"{row:<28}{cells}{spreads}")
-    lines.append("")
-    for (row, engines), target in TARGETS.items():
-        p50 = latency[row, engines][0]
-        verdict = "ok" if p50 <= target else "MISSED"
-        lines.append(f"target {row} @ {engines}: median {p50:.1f} <= {target:.0f} us: {verdict}")
+    targets = [
+        Target(f"pick median, {row} @ {engines}", latency[row, engines][0], limit, "us")
+        for (row, engines), limit in TARGETS.items()
+    ]
+    lines += ["", *(t.line() for t in targets)]
     lines.append(f"longest-prefix index: {entries} entries, ~{per_entry:.0f} bytes per entry")
     report = "\n".join(lines)
     print(report)
