@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python bench/bench_routing_quality.py`` (about 5 CPU minutes, run in
 ``--jobs`` processes, default one per core; ``--quick`` simulates 60 s instead of 180 s and
-leaves RESULTS.md alone). Seeded: the same arguments give the same table on any machine.
+records nothing). Seeded: the same arguments give the same table on any machine.
 No etcd: the routing table is fed in memory, as the watcher would feed it, and every
 request is routed by the real ``Router``.
 
@@ -58,7 +58,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from _common import Target, append_results, memory_table, percentile, table_text
+from _common import Target, memory_table, percentile, record_results, table_text
 
 from discovery import (
     Candidate,
@@ -453,7 +453,7 @@ def verdicts(results: dict[tuple[str, int, str], Outcome]) -> list[Target]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="60 s simulated, no RESULTS.md")
+    parser.add_argument("--quick", action="store_true", help="60 s simulated, nothing recorded")
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument("--sizes", default="8,64", help="fleet sizes, comma-separated")
     parser.add_argument("--factors", default=",".join(map(str, FACTORS)), help="load factors")
@@ -461,7 +461,7 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=Workload.load, help="offered load")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
     parser.add_argument("--cache-blocks", type=int, default=CACHE_BLOCKS, help="per engine")
-    parser.add_argument("--no-results", action="store_true", help="leave RESULTS.md alone")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
     factors = tuple(float(c) for c in args.factors.split(",") if c)
     seconds = 60.0 if args.quick else Workload.seconds
@@ -522,10 +522,10 @@ def main() -> None:
     )
     print(body)
     if not (args.quick or args.no_results):
-        append_results("bench_routing_quality.py", body, notes=NOTES)
+        record_results("routing_quality", body, about=ABOUT, targets=targets)
 
 
-NOTES = """`bench_routing_quality.py`: the real Router over simulated engines (module docs:
+ABOUT = """`bench_routing_quality.py`: the real Router over simulated engines (module docs:
 workload, engines, service time). Hit rate = prompt tokens found in the engine's prefix
 cache; spread = max / mean in-flight over the engines (time average of 0.25 s samples, and
 the peak sample); queueing = arrival to admission. First quarter of the simulated time is
