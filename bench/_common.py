@@ -1,8 +1,15 @@
-"""Helpers shared by the benchmarks: machine facts, percentiles, etcd, RESULTS.md, targets.
+"""Helpers shared by the benchmarks: machine facts, percentiles, etcd, targets, the page.
 
-Every benchmark is one script, runnable as ``.venv/bin/python bench/<name>.py``. Each
-prints a compact table, appends a dated section to bench/RESULTS.md and writes its raw
-figures to bench/out/<name>.json (read by bench/run_all.py for the plot and the summary).
+Every benchmark is one script, runnable as ``.venv/bin/python bench/bench_<name>.py``. Each
+prints a compact table and writes its raw figures to bench/out/<name>.json (read by
+bench/run_all.py for the plot and the summary). Unless told not to, it then records the run
+(``record_results``): the dated section replaces bench/results/<name>.md (the one before it
+moves to bench/history/<name>.md), its targets go to bench/results/<name>.targets.json, and
+bench/RESULTS.md is rebuilt (``render_page``) from every benchmark's latest section and
+target figures and the short note in bench/notes/<name>.md. The chaos soak
+(tests/test_chaos.py) is not a script here: its section, bench/results/chaos.md, is pasted
+by hand (the previous one moved to bench/history/chaos.md), then
+``bench/run_all.py --page-only`` rebuilds the page.
 """
 
 from __future__ import annotations
@@ -38,7 +45,25 @@ from discovery import (  # noqa: E402 - after the path tweak
 from discovery._store import EngineStore, Entry  # noqa: E402
 from discovery.embedded import EtcdCluster, find_binary  # noqa: E402
 
-RESULTS = BENCH / "RESULTS.md"
+RESULTS = BENCH / "RESULTS.md"  # the page: generated, never edited by hand
+SECTIONS = BENCH / "results"  # <name>.md: latest section; <name>.targets.json: its targets
+HISTORY = BENCH / "history"  # <name>.md: the sections replaced, oldest first
+NOTES = BENCH / "notes"  # <name>.md: what the figures say (hand-written, a few lines)
+PAGE_ORDER = (
+    "latency",
+    "detection",
+    "scale",
+    "churn",
+    "sync",
+    "codec",
+    "fanout",
+    "sessions",
+    "router",
+    "routing_quality",
+    "chaos",
+)
+PLOT = BENCH / "latency.png"  # drawn by run_all.py from these benchmarks' bench/out files:
+PLOTTED = ("latency", "detection", "churn", "scale")
 OUT = BENCH / "out"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -114,23 +139,124 @@ class Target:
     def ok(self) -> bool:
         return self.value <= self.limit
 
+    @property
+    def verdict(self) -> str:
+        return "met" if self.ok else "MISSED"
+
     def line(self) -> str:
-        verdict = "met" if self.ok else "MISSED"
-        return f"target {self.name}: {self.value:.3g} {self.unit} <= {self.limit:g}: {verdict}"
+        return f"target {self.name}: {self.value:.3g} {self.unit} <= {self.limit:g}: {self.verdict}"
 
 
 # -- output ----------------------------------------------------------------------------------
 
 
-def append_results(title: str, body: str, *, notes: str = "") -> None:
-    """Append a dated section (machine, versions, load, the table) to RESULTS.md."""
+LOAD = "load average after the run: "
+
+
+def record_results(
+    name: str, body: str, *, about: str = "", targets: Sequence[Target] = ()
+) -> None:
+    """Make this run benchmark ``name``'s section of RESULTS.md, and rebuild the page.
+
+    The section (date, machine, ``about``: how it measures, the printed ``body``, the load
+    average) replaces bench/results/<name>.md; the text it replaces is appended to
+    bench/history/<name>.md. ``targets`` replace bench/results/<name>.targets.json.
+    """
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = [f"\n## {title}, {stamp}\n", machine_line(), ""]
-    if notes:
-        section += [notes.strip(), ""]
-    section += ["```", body.rstrip(), f"load average after the run: {load_average()}", "```", ""]
-    with RESULTS.open("a", encoding="utf-8") as handle:
-        handle.write("\n".join(section))
+    section = [f"## bench_{name}.py, {stamp}", "", machine_line(), ""]
+    if about:
+        section += [about.strip(), ""]
+    section += ["```", body.rstrip(), LOAD + load_average(), "```"]
+    latest = SECTIONS / f"{name}.md"
+    if latest.exists():
+        HISTORY.mkdir(exist_ok=True)
+        history = HISTORY / f"{name}.md"
+        title = f"# bench_{name}.py: earlier runs, oldest first\n"
+        earlier = history.read_text(encoding="utf-8") if history.exists() else title
+        previous = latest.read_text(encoding="utf-8")
+        history.write_text(f"{earlier.rstrip()}\n\n{previous.rstrip()}\n", encoding="utf-8")
+    SECTIONS.mkdir(exist_ok=True)
+    latest.write_text("\n".join(section) + "\n", encoding="utf-8")
+    figures = json.dumps([asdict(t) for t in targets], indent=1)
+    (SECTIONS / f"{name}.targets.json").write_text(figures + "\n", encoding="utf-8")
+    render_page()
+
+
+def recorded_targets(name: str) -> list[Target]:
+    path = SECTIONS / f"{name}.targets.json"
+    if not path.exists():
+        return []
+    return [Target(**t) for t in json.loads(path.read_text(encoding="utf-8"))]
+
+
+def _page_section(name: str, section: str) -> list[str]:
+    """A benchmark on the page: heading, figures, note, then load average and links.
+
+    Its figures are shown once: a benchmark with targets has them in the summary table,
+    one without shows its printout here. Every figure is in the whole section, linked.
+    """
+    lines = section.splitlines()
+    start = lines.index("```")
+    printout = lines[start + 1 : lines.index("```", start + 1)]
+    loads = [line.removeprefix(LOAD) for line in printout if line.startswith(LOAD)]
+    footer = [f"Load average after the run: {load}" for load in loads]
+    footer.append(f"[whole section](results/{name}.md)")
+    if (HISTORY / f"{name}.md").exists():
+        footer.append(f"[earlier runs](history/{name}.md)")
+    if name in PLOTTED and PLOT.exists():
+        footer.append(f"[plot]({PLOT.name})")
+    figures = [line for line in printout if not line.startswith(LOAD)]
+    figures = [] if recorded_targets(name) else ["```", *figures, "```", ""]
+    note = NOTES / f"{name}.md"
+    # The note and the footer are one paragraph, with a line break (a trailing backslash).
+    notes = [f"**Notes.** {note.read_text(encoding='utf-8').strip()}\\"] if note.exists() else []
+    return [lines[0], "", *figures, *notes, " · ".join(footer), ""]
+
+
+def render_page() -> None:
+    """Rebuild RESULTS.md from bench/results/ (sections, targets) and bench/notes/."""
+    names = sorted(
+        (path.stem for path in SECTIONS.glob("*.md")),
+        key=lambda name: (PAGE_ORDER.index(name) if name in PAGE_ORDER else len(PAGE_ORDER), name),
+    )
+    sections = {name: (SECTIONS / f"{name}.md").read_text(encoding="utf-8") for name in names}
+    machines: dict[str, list[str]] = {}
+    for name, section in sections.items():
+        for line in section.splitlines():
+            if line.startswith("Machine: "):
+                machines.setdefault(line.removeprefix("Machine: ").rstrip("."), []).append(name)
+    page = [
+        "# Benchmark results",
+        "",
+        "The latest run of each benchmark: every target first, then per benchmark a note on what",
+        "its figures say (one without targets shows its printout there). A benchmark's whole",
+        "latest section (method, machine, every figure) is in [results/](results/); earlier runs",
+        "are in [history/](history/), never here. Generated, do not edit. To rerun everything",
+        "and rewrite it: `.venv/bin/python bench/run_all.py`. A `bench/bench_<name>.py` run alone",
+        "replaces its own section; `bench/run_all.py --page-only` only rebuilds the page (after",
+        "editing a note in [notes/](notes/), say).",
+        "",
+        *(f"Machine: {machine} ({', '.join(used)})." for machine, used in machines.items()),
+        "",
+        "## Targets",
+        "",
+        "| benchmark | target | limit | measured | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for name in names:
+        for i, t in enumerate(recorded_targets(name)):
+            cells = (
+                f"[{name}](results/{name}.md)" if i == 0 else "",
+                t.name,
+                f"<= {t.limit:g} {t.unit}".strip(),
+                f"{t.value:.3g} {t.unit}".strip(),
+                t.verdict if t.ok else f"**{t.verdict}**",
+            )
+            page.append(f"| {' | '.join(cells)} |")
+    page.append("")
+    for name, section in sections.items():
+        page += _page_section(name, section)
+    RESULTS.write_text("\n".join(page).rstrip() + "\n", encoding="utf-8")
 
 
 def write_json(name: str, data: dict) -> Path:

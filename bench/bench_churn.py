@@ -32,11 +32,11 @@ from _common import (
     LABELS,
     CpuMeter,
     Target,
-    append_results,
     etcd_cluster,
     host_port,
     make_endpoint,
     percentile,
+    record_results,
     table_text,
     write_json,
 )
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=100, help="changes per transaction")
     parser.add_argument("--writers", type=int, default=2)
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
 
     with etcd_cluster(1, extra_args=["--quota-backend-bytes", str(8 * 1024**3)]) as cluster:
@@ -232,10 +232,11 @@ def main() -> None:
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
     if not args.no_results:
-        append_results(
-            "bench_churn.py",
+        record_results(
+            "churn",
             text,
-            notes=(
+            targets=targets,
+            about=(
                 f"`bench_churn.py`: {args.writers} writer processes (plain python3-etcd3) "
                 f"committing {args.batch}-change transactions (90% puts of valid records, 10% "
                 f"deletes) over {args.keys:,} keys at {args.rate:,.0f} changes/s for "

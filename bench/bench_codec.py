@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 import msgspec
 import orjson
-from _common import LABELS, Target, append_results, make_endpoint, table_text, write_json
+from _common import LABELS, Target, make_endpoint, record_results, table_text, write_json
 
 from discovery import EngineRecord, InferenceEngineCapabilities, InferenceEngineEndpoint, KeySpace
 from discovery._codec import _exact_record, _wire_struct, encode
@@ -61,7 +61,7 @@ def best_per_item(fn, items) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=10_000)
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
 
     keyspace = KeySpace()
@@ -121,10 +121,10 @@ def main() -> None:
     text += f"\n\ndecode + validate throughput on one core: {decode_rate:,.0f} records/s"
     print(text)
     if not args.no_results:
-        append_results(
-            "bench_codec.py",
+        record_results(
+            "codec",
             text,
-            notes="`bench_codec.py`: per-record cost of the codec (best of 7 passes), "
+            about="`bench_codec.py`: per-record cost of the codec (best of 7 passes), "
             "next to bare `json.loads`, orjson and msgspec on the same bytes. No target of "
             "its own; the figures explain the watch path's costs in the other benchmarks. "
             "Decoded records share equal capabilities and label sets (a cache hit here).",

@@ -24,9 +24,9 @@ import time
 from _common import (
     ROOT,
     Target,
-    append_results,
     etcd_cluster,
     percentile,
+    record_results,
     table_text,
     write_json,
 )
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--terms", type=int, default=24)
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--batch", type=int, default=6)
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
     rng = random.Random(11)
     with etcd_cluster(1) as cluster:
@@ -175,10 +175,11 @@ def main() -> None:
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
     if not args.no_results:
-        append_results(
-            "bench_detection.py",
+        record_results(
+            "detection",
             text,
-            notes="`bench_detection.py`: `discovery register --ttl "
+            targets=targets,
+            about="`bench_detection.py`: `discovery register --ttl "
             f"{args.ttl:g}` subprocesses against one etcd member, signalled at a random "
             "point of their keepalive cycle; time from just before `os.kill` to the "
             "`removed` event in a RoutingTable listener of the watching process.",

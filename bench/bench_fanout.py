@@ -25,10 +25,10 @@ from _common import (
     BENCH,
     CpuMeter,
     Target,
-    append_results,
     etcd_cluster,
     percentile,
     proc_rss_bytes,
+    record_results,
     table_text,
     write_json,
 )
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=200)
     parser.add_argument("--rate", type=float, default=50.0, help="puts per second")
     parser.add_argument("--procs", type=int, default=4, help="watcher processes")
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -202,10 +202,10 @@ def main() -> None:
     text = table_text(header, rows) + "\n\n" + "\n".join(ratios)
     print(text)
     if not args.no_results:
-        append_results(
-            "bench_fanout.py",
+        record_results(
+            "fanout",
             text,
-            notes=(
+            about=(
                 f"`bench_fanout.py`: N raw gRPC watch streams of one prefix (a channel each, "
                 f"over {args.procs} asyncio processes) on one etcd member, directly or through "
                 f"one `etcd grpc-proxy start`; {args.events} puts at {args.rate:g}/s. CPU over "

@@ -37,11 +37,11 @@ import etcd3
 from _common import (
     LABELS,
     Target,
-    append_results,
     etcd_cluster,
     host_port,
     make_endpoint,
     percentile,
+    record_results,
     table_text,
     write_json,
 )
@@ -286,7 +286,7 @@ def run(count: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=1000, help="measured samples per kind")
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
     samples = run(args.count)
 
@@ -353,7 +353,7 @@ def main() -> None:
     ]
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
-    notes = (
+    about = (
         "`bench_latency.py`: a registration's write -> `added`, interleaved (shuffled) with "
         "raw python3-etcd3 on the same single etcd member. *Record write* rows are timed "
         "from `perf_counter_ns()` just before the record's write RPC (ours: the "
@@ -365,7 +365,7 @@ def main() -> None:
         "sides; each sample is removed (and its removal awaited) before the next."
     )
     if not args.no_results:
-        append_results("bench_latency.py", text, notes=notes)
+        record_results("latency", text, about=about, targets=targets)
     write_json("latency", {"count": args.count, "samples": samples, "targets": targets})
 
 

@@ -1,8 +1,8 @@
 """Router benchmark: pick latency per policy and load spread under a closed loop.
 
-Run: ``.venv/bin/python bench/bench_router.py`` (add ``--quick`` for a smoke run). Prints a
-table and appends a dated section to bench/RESULTS.md. No etcd: the routing table is fed
-in memory, as the watcher would feed it.
+Run: ``.venv/bin/python bench/bench_router.py`` (add ``--quick`` for a smoke run that records
+nothing). Prints a table and records it as its section of bench/RESULTS.md. No etcd: the
+routing table is fed in memory, as the watcher would feed it.
 
 * Latency: ``time.perf_counter_ns`` around each ``pick()`` (release is outside the timed
   span), over prompts of 1024 tokens (2 shared system blocks + 2 own blocks, block size 256).
@@ -26,7 +26,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from _common import append_results, memory_table
+from _common import Target, memory_table, record_results
 
 from discovery import Router, RoutingPolicy, RoutingTable
 
@@ -130,7 +130,7 @@ def index_bytes_per_entry(prompts: list[list[int]]) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples, no RESULTS.md")
+    parser.add_argument("--quick", action="store_true", help="fewer samples, nothing recorded")
     args = parser.parse_args()
     picks = 2_000 if args.quick else 20_000
     steps = 4_000 if args.quick else 40_000
@@ -170,18 +170,18 @@ def main() -> None:
             f"{spread[row, n][0]:>7.2f} /{spread[row, n][1]:>5.2f}" for n in (8, 64, "distinct")
         )
         lines.append(f"{row:<28}{cells}{spreads}")
-    lines.append("")
-    for (row, engines), target in TARGETS.items():
-        p50 = latency[row, engines][0]
-        verdict = "ok" if p50 <= target else "MISSED"
-        lines.append(f"target {row} @ {engines}: median {p50:.1f} <= {target:.0f} us: {verdict}")
+    targets = [
+        Target(f"pick median, {row} @ {engines}", latency[row, engines][0], limit, "us")
+        for (row, engines), limit in TARGETS.items()
+    ]
+    lines += ["", *(t.line() for t in targets)]
     lines.append(f"longest-prefix index: {entries} entries, ~{per_entry:.0f} bytes per entry")
     report = "\n".join(lines)
     print(report)
     print("load average:", ", ".join(f"{value:.2f}" for value in os.getloadavg()))
     if not args.quick:
-        notes = f"{picks} picks per latency cell, {steps} closed-loop events per spread cell."
-        append_results("bench_router.py", report, notes=notes)
+        about = f"{picks} picks per latency cell, {steps} closed-loop events per spread cell."
+        record_results("router", report, about=about, targets=targets)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ from _common import (
     LABELS,
     CpuMeter,
     Target,
-    append_results,
     etcd_cluster,
     etcd_metrics,
     host_port,
     make_endpoint,
     proc_rss_bytes,
+    record_results,
     table_text,
     write_json,
 )
@@ -248,7 +248,7 @@ def main() -> None:
         "--window", type=float, default=20.0, help="steady window, s (whole TTL/3 periods)"
     )
     parser.add_argument("--watchers", type=int, default=3, help="new-watcher runs per size")
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     # Keepalives come in waves (every lease once per TTL/3, phases set at registration):
@@ -373,10 +373,11 @@ def main() -> None:
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
     if not args.no_results:
-        append_results(
-            "bench_scale.py",
+        record_results(
+            "scale",
             text,
-            notes=(
+            targets=targets,
+            about=(
                 f"`bench_scale.py`: {args.workers} worker processes, each one Connection shared "
                 f"by all its `register_engine(..., ttl={args.ttl:g})` calls (every engine its "
                 f"own lease; a keepalive per lease every TTL/3 = {args.ttl / 3:g} s). etcd and "

@@ -36,9 +36,9 @@ from _common import (
     LABELS,
     CpuMeter,
     Target,
-    append_results,
     etcd_cluster,
     make_endpoint,
+    record_results,
     table_text,
     write_json,
 )
@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument("--stall", type=float, default=4.0)
     parser.add_argument("--burners", type=int, default=2)
     parser.add_argument("--sizes", default="1,100,1000,2000", help="keepalive cost sizes")
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -295,7 +295,7 @@ def main() -> None:
     )
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
-    notes = (
+    about = (
         "`bench_sessions.py`: one process holds the registrations on one Connection; "
         f"{args.burners} `python -c 'while True: pass'` processes run during the mass-loss "
         "scenarios (stopped by pid after each); etcd is one private member, frozen with "
@@ -306,7 +306,7 @@ def main() -> None:
         "burners over two TTLs of steady state."
     )
     if not args.no_results:
-        append_results("bench_sessions.py", text, notes=notes)
+        record_results("sessions", text, about=about, targets=targets)
     write_json("sessions", {"losses": losses, "cost": cost, "targets": targets})
 
 

@@ -48,12 +48,12 @@ from _common import (
     LABELS,
     OUT,
     Target,
-    append_results,
     etcd_cluster,
     host_port,
     load_average,
     make_endpoint,
     percentile,
+    record_results,
     table_text,
     write_json,
 )
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--profile", action="store_true", help="py-spy 5 of our syncs")
-    parser.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-results", action="store_true", help="leave bench/results/ alone")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -269,10 +269,11 @@ def main() -> None:
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
     if not args.no_results:
-        append_results(
-            "bench_sync.py",
+        record_results(
+            "sync",
             text,
-            notes=(
+            targets=targets,
+            about=(
                 f"`bench_sync.py`: initial sync from one etcd member, {args.rounds} rounds "
                 "interleaved in shuffled order, each contender in its own process and a new "
                 "client per sync (channel set-up included); pages of 1,000 at one revision, "

@@ -1,12 +1,16 @@
-"""Run every benchmark (issues 7 and 16), then plot and summarise.
+"""Run every benchmark (issues 7 and 16), then plot, summarise and rewrite RESULTS.md.
 
-Run: ``.venv/bin/python bench/run_all.py`` (about 20 minutes on 2 cores). ``--quick`` is a
-smoke run with small counts that leaves RESULTS.md alone; ``--only latency,codec`` runs
-some; ``--plot-only`` redraws from bench/out/*.json. Each benchmark runs as its own
-process (``bench/bench_<name>.py``), prints its table and appends its section to
-bench/RESULTS.md; this script then draws bench/latency.png (latency distributions, ours
-vs raw; detection times; churn lag; new-watcher times) and appends a summary of every
-target, met or missed.
+Run: ``.venv/bin/python bench/run_all.py`` (about 20 minutes on 2 cores). Each benchmark
+runs as its own process (``bench/bench_<name>.py``), prints its table and records the run:
+its section replaces bench/results/<name>.md (the previous one moves to
+bench/history/<name>.md) and its targets bench/results/<name>.targets.json. This script
+then draws bench/latency.png (latency distributions, ours vs raw; detection times; churn
+lag; new-watcher times; only if one of those ran), prints every target of the run, met or
+missed, and rewrites bench/RESULTS.md from the latest section of every benchmark.
+``--quick`` is a smoke run with small counts that records nothing (its plot goes to
+bench/out/); ``--only latency,codec`` runs some; ``--plot-only`` redraws from
+bench/out/*.json; ``--page-only`` only rewrites RESULTS.md (after editing bench/notes/).
+bench_router.py and bench_routing_quality.py run alone (no etcd; minutes of CPU each).
 """
 
 from __future__ import annotations
@@ -15,8 +19,19 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from _common import BENCH, Target, append_results, percentile, read_json, table_text
+from _common import (
+    BENCH,
+    OUT,
+    PLOT,
+    PLOTTED,
+    Target,
+    percentile,
+    read_json,
+    render_page,
+    table_text,
+)
 
 BENCHMARKS = {
     "latency": ([], ["--count", "100"]),
@@ -28,7 +43,6 @@ BENCHMARKS = {
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
     "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
 }
-PLOT = BENCH / "latency.png"
 
 
 def run(names: list[str], quick: bool) -> dict[str, float]:
@@ -51,7 +65,7 @@ def cdf(ax, values: list[float], label: str, **style) -> None:
     ax.plot(data, [(i + 1) / n for i in range(n)], label=label, **style)
 
 
-def plot() -> None:
+def plot(path: Path) -> None:
     import matplotlib  # noqa: PLC0415 - only the plot needs it (bench extra)
 
     matplotlib.use("Agg")
@@ -133,42 +147,46 @@ def plot() -> None:
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=90)
-    print(f"wrote {PLOT}")
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
 
 
-def summary() -> str:
+def summary(names: list[str]) -> str:
     rows = []
-    for name in BENCHMARKS:
+    for name in names:
         data = read_json(name)
         for t in (data or {}).get("targets", []):
             target = Target(**t)
-            verdict = "met" if target.ok else "MISSED"
             rows.append(
-                (target.name, f"{target.value:.3g} {target.unit}", f"<= {target.limit:g}", verdict)
+                (
+                    target.name,
+                    f"{target.value:.3g} {target.unit}",
+                    f"<= {target.limit:g}",
+                    target.verdict,
+                )
             )
     return table_text(("target", "measured", "limit", "verdict"), rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small counts; RESULTS.md untouched")
+    parser.add_argument("--quick", action="store_true", help="small counts; nothing recorded")
     parser.add_argument("--only", help="comma-separated subset of " + ",".join(BENCHMARKS))
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--page-only", action="store_true", help="only rewrite RESULTS.md")
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(BENCHMARKS)
-    took = {} if args.plot_only else run(names, args.quick)
-    plot()
-    text = summary()
-    if took:
-        text += "\n\nwall time: " + ", ".join(f"{n} {s:.0f} s" for n, s in took.items())
-    print(text)
-    if not args.quick and not args.plot_only:
-        append_results(
-            "run_all.py: summary of targets",
-            text,
-            notes="Plot of this run: ![latency, detection, churn and scale](latency.png)",
-        )
+    if not args.page_only:
+        names = args.only.split(",") if args.only else list(BENCHMARKS)
+        took = {} if args.plot_only else run(names, args.quick)
+        if set(names) & set(PLOTTED):  # its panels: a run of none of them leaves it alone
+            OUT.mkdir(exist_ok=True)
+            plot(OUT / PLOT.name if args.quick else PLOT)
+        text = summary(names)
+        if took:
+            text += "\n\nwall time: " + ", ".join(f"{n} {s:.0f} s" for n, s in took.items())
+        print(text)
+    if not args.quick:
+        render_page()
 
 
 if __name__ == "__main__":
