@@ -59,8 +59,6 @@ __all__ = ["MemoryEtcd", "MemoryPort"]
 
 T = TypeVar("T")
 
-_LIST_ATTEMPTS = 5  # like the adapter's list_prefix: a listing compacted midway starts again
-
 
 @dataclass(slots=True)
 class _Lease:
@@ -251,11 +249,10 @@ class MemoryEtcd:
             return PutResult(True, self._write(puts=[(key, value, lease_id)]), current)
 
     def _create_many(self, items: Sequence[tuple[bytes, bytes]], lease_id: int) -> list[PutResult]:
-        keys = [key for key, _ in items]
-        if len(set(keys)) != len(keys):
-            raise EtcdError("etcd request failed: duplicate key given in txn request")
         with self._lock:
             self._check_up()
+            if len({key for key, _ in items}) != len(items):
+                raise EtcdError("etcd request failed: duplicate key given in txn request")
             absent = [(key, value, lease_id) for key, value in items if key not in self._keys]
             if absent:
                 self._check_lease(lease_id)
