@@ -119,12 +119,25 @@ def test_every_public_name_is_documented_and_typed() -> None:
                 assert inspect.getdoc(member), f"{name}.{attr} has no docstring"
 
 
-def test_embedded_is_not_imported_by_the_library() -> None:
-    code = "import discovery, sys; print('discovery.embedded' in sys.modules)"
+@pytest.mark.parametrize("module", ["discovery.embedded", "discovery.memory"])
+def test_test_support_modules_are_not_imported_by_the_library(module: str) -> None:
+    code = f"import discovery, sys; print({module!r} in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_the_memory_port_is_documented() -> None:
+    import discovery.memory  # noqa: PLC0415
+
+    assert inspect.getdoc(discovery.memory)
+    for name in discovery.memory.__all__:
+        cls = getattr(discovery.memory, name)
+        assert inspect.getdoc(cls), f"{name} has no docstring"
+        for attr, member in vars(cls).items():
+            if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
+                assert inspect.getdoc(member), f"{name}.{attr} has no docstring"
 
 
 def test_readme_opens_with_the_two_commands() -> None:
