@@ -24,6 +24,7 @@ from ._errors import (
     RecordDecodeError,
 )
 from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
+from ._follower import EngineState, EngineStates, EngineStatesHealth
 from ._launch import launch
 from ._metrics import Metrics, MetricsHooks
 from ._operators import deregister, drain, undrain
@@ -82,6 +83,9 @@ __all__ = [
     "EngineEventReceiver",
     "EngineListing",
     "EngineRecord",
+    "EngineState",
+    "EngineStates",
+    "EngineStatesHealth",
     "EngineStatus",
     "EtcdError",
     "EtcdPort",

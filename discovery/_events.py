@@ -1,48 +1,70 @@
-"""Megatron's engine-event protocol: frames, and a receiver that registers the engine.
+"""Megatron's engine events: a receiver that registers the engine, watches it, relays it.
 
 The wire contract (Megatron-LM, ``megatron/inference/integrations/dynamo/telemetry.py``):
-the parent binds a ZeroMQ PULL socket on a random port and hands its address to the engine
-(``--dynamo-parent-event-address``); global rank zero connects a PUSH socket (LINGER 0) and
-sends ``msgpack.packb([kind, payload], use_bin_type=True)`` frames. The first has kind
-``"ready"`` and payload ``InferenceEngineEndpoint.to_dict()``; later ones are KV-cache events
-(``"stored"``, ``"removed"``). PUSH/PULL says nothing when the engine dies: whoever started
-the engine watches the process (``discovery launch`` does, in ``_launch.py``).
+the parent binds a ZeroMQ PULL socket (a random port, or a fixed one for engines started by
+another launcher) and hands its address to the engine (``--dynamo-parent-event-address``);
+global rank zero connects a PUSH socket (LINGER 0) and sends ``msgpack.packb([kind,
+payload], use_bin_type=True)`` frames. PUSH/PULL says nothing when the engine dies: whoever
+started the engine watches the process (``discovery launch`` does, in ``_launch.py``).
 
-What the receiver does with each frame, each outcome counted in ``health()`` and in
+What the receiver does with each kind, each outcome counted in ``health()`` and in
 ``discovery_engine_events_total{outcome}``:
 
+- ``ready`` (outcome ``ready``): in either shape Megatron sends (``READY_SHAPES``). The
+  first valid one registers the engine; a later one with another endpoint or role updates
+  the record atomically, on the same lease. ``role`` becomes the ``role`` label (it wins
+  over one given to the receiver, with a warning); keys this version does not know are
+  stored too. A payload of no known shape, or an invalid one, is ``rejected``: logged with
+  the shapes accepted, nothing written.
+- ``stored`` / ``removed`` / ``cleared`` (outcome ``kv``): the engine's prefix cache
+  (``_kvstate.py``), kept from the first frame on (before ready too) and relayed to routers
+  (``_relay.py``); a payload without a list of 64-bit block hashes is ``malformed``.
+- ``progress`` (outcome ``progress``): a heartbeat Megatron sends from its scheduling loop
+  while the engine runs (at most every 0.5 s).
+- anything else (``handoff_imported``, a kind from the future): ``ignored``.
 - ``malformed``: not msgpack, or not a ``[str, payload]`` pair; logged with the reason.
-- ``ignored``: a kind other than ``"ready"`` (Megatron's KV-cache events).
-- ``ready``: a valid ready message. The first one registers the engine; a later one with
-  another endpoint or role updates the record atomically, on the same lease.
-- ``rejected``: a ready payload that fails validation; logged naming the shape received
-  (an endpoint, Megatron's capabilities-with-a-role metadata, or neither). Nothing is written.
 
-A ``"role"`` key in a ready payload goes into the ``role`` label (it wins over a ``role``
-label given to the receiver, with a warning). When the first registration is refused
-(conflict, permission, etcd unavailable past the dial timeout) the receiver is ``failed``
-and registers nothing more.
+**Hung engines.** Once an engine has sent ``progress``, the receiver expects to keep hearing
+from it (any frame) while its record is ``ready``: after ``stall_timeout`` seconds of
+silence (default ``DEFAULT_STALL_TIMEOUT``: twice the 5 s Megatron's own parent waits for a
+heartbeat) the record becomes ``stalled`` (routers skip it, as ``draining``), with one
+WARNING and the ``discovery_engine_stalled`` metric; the next frame makes it ``ready``
+again. An engine that never sends progress (Megatron before its heartbeat) is never marked;
+silence while the record is not ``ready`` (draining, paused, starting) is no stall, and the
+silence is counted from when it became ``ready`` again. A status change never overrides one
+made meanwhile from outside (an operator's drain wins).
+
+When the first registration is refused (conflict, permission, etcd unavailable past the
+dial timeout) the receiver is ``failed`` and registers nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._codec import encode
 from ._dispatch import Dispatcher, Listeners
-from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint
+from ._endpoint import InferenceEngineEndpoint
 from ._errors import ClosedError, ConfigurationError, DiscoveryError, InvalidRecordError
+from ._kvstate import KV_KINDS, kv_change
 from ._metrics import NO_METRICS, MetricsHooks
-from ._record import EngineRecord, validate_engine_id, validate_labels
-from ._registration import Registration, default_engine_id, register_engine
+from ._record import (
+    EngineRecord,
+    EngineStatus,
+    endpoint_from_dict,
+    validate_engine_id,
+    validate_labels,
+)
+from ._registration import Registration, default_engine_id, register_record
+from ._relay import StateRelay, bind_socket
 from ._session import check_ttl
 
 if TYPE_CHECKING:
@@ -51,14 +73,22 @@ if TYPE_CHECKING:
     from ._port import EtcdPort
     from ._settings import Settings
 
-__all__ = ["EngineEventReceiver", "ReceiverHealth", "ReceiverState"]
+__all__ = ["DEFAULT_STALL_TIMEOUT", "EngineEventReceiver", "ReceiverHealth", "ReceiverState"]
 
 log = logging.getLogger(__name__)
 
 READY = "ready"
+PROGRESS = "progress"
 EXTRA = "launch"
-_CAPABILITY_KEYS = frozenset(f.name for f in dataclasses.fields(InferenceEngineCapabilities))
+DEFAULT_STALL_TIMEOUT = 10.0
+READY_SHAPES = (
+    "flat {coordinator_address, capabilities} (InferenceEngineEndpoint.to_dict()) or nested "
+    "{coordinator_address, engine: {...capabilities, role}} (engine_metadata() of Megatron's "
+    "dynamo integration), each with or without version"
+)
 _LOUD_PROBLEMS = 10  # malformed/rejected frames logged at WARNING; the rest at DEBUG
+_MAX_FRAME = 64 << 20  # a stored event of a 128k-token prompt is ~1.2 MB; a flood is not
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
 
 
 def _brief(value: object, limit: int = 80) -> str:
@@ -79,37 +109,76 @@ def decode_frame(frame: bytes) -> tuple[str, Any]:
     return message[0], message[1]
 
 
-def endpoint_from_ready(payload: object) -> tuple[InferenceEngineEndpoint, str | None]:
-    """The endpoint and optional role of a ready payload, or InvalidRecordError naming its shape."""
+@dataclass(frozen=True)
+class ReadyMessage:
+    """What a ready payload says, in either of Megatron's shapes."""
+
+    endpoint: InferenceEngineEndpoint
+    role: str | None
+    extra: Mapping[str, Any]
+    """Top-level keys this version does not know (stored with the record)."""
+    extra_capabilities: Mapping[str, Any]
+    """Capability keys this version does not know (stored with the record)."""
+    version: object = None
+    """The payload's ``version``, if it has one (not stored)."""
+
+
+def parse_ready(payload: object) -> ReadyMessage:
+    """The ready message in ``payload``, or InvalidRecordError naming what is wrong.
+
+    Flat: ``InferenceEngineEndpoint.to_dict()`` (a ``role`` key too, if present). Nested:
+    ``{"coordinator_address", "engine": {...capabilities, "role"}}``. Either may carry
+    ``version``. See ``READY_SHAPES``.
+    """
     if not isinstance(payload, Mapping):
-        raise InvalidRecordError(f"ready payload is a {type(payload).__name__}, not a map")
-    if "coordinator_address" not in payload and "capabilities" not in payload:
-        if _CAPABILITY_KEYS & payload.keys():
-            shape = (
-                "Megatron's engine metadata (capabilities with a role, protocol.engine_metadata)"
-                if "role" in payload
-                else "bare capabilities (InferenceEngineCapabilities.to_dict())"
-            )
-            raise InvalidRecordError(
-                f"ready payload has the shape of {shape}, not of an endpoint "
-                "(InferenceEngineEndpoint.to_dict()): there is no coordinator_address to route to"
-            )
         raise InvalidRecordError(
-            "ready payload is not an endpoint (InferenceEngineEndpoint.to_dict()); "
+            f"ready payload is a {type(payload).__name__}, not a map: accepted are {READY_SHAPES}"
+        )
+    payload = dict(payload)
+    version = payload.pop("version", None)
+    if isinstance(payload.get("engine"), Mapping) and "capabilities" not in payload:
+        shape = "nested ready payload"
+        capabilities = dict(payload.pop("engine"))
+        role = capabilities.pop("role", None)
+        payload["capabilities"] = capabilities
+    elif isinstance(payload.get("capabilities"), Mapping):
+        shape = "flat ready payload"
+        role = payload.pop("role", None)
+    else:
+        raise InvalidRecordError(
+            f"ready payload fits no shape: accepted are {READY_SHAPES}; "
             f"its keys: {_brief(sorted(map(str, payload)))}"
         )
-    try:
-        endpoint = InferenceEngineEndpoint.from_dict(payload)
-    except KeyError as exc:
-        raise InvalidRecordError(
-            f"ready payload (endpoint shape) is missing field {exc.args[0]!r}"
-        ) from None
-    except (TypeError, ValueError) as exc:
-        raise InvalidRecordError(f"ready payload (endpoint shape) is invalid: {exc}") from None
-    role = payload.get("role")
     if role is not None and not isinstance(role, str):
-        raise InvalidRecordError(f"ready payload: role must be a string, not {_brief(role)}")
-    return endpoint, role
+        raise InvalidRecordError(f"{shape}: role must be a string, not {_brief(role)}")
+    endpoint, extra, extra_capabilities = endpoint_from_dict(payload, shape)
+    return ReadyMessage(endpoint, role, extra, extra_capabilities, version)
+
+
+def parse_address(address: str, what: str) -> str:
+    """``address`` if it is ``tcp://HOST:PORT`` (port 1-65535 or ``*``), else ConfigurationError."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if (
+        not address.startswith("tcp://")
+        or not host
+        or not (port == "*" or (port.isdigit() and 1 <= int(port) <= 65535))
+    ):
+        raise ConfigurationError(f"{what} {address!r} must be tcp://HOST:PORT (PORT 1-65535 or *)")
+    return address
+
+
+def advertised(bound: str, coordinator_address: str) -> str:
+    """Where routers reach a socket bound at ``bound``.
+
+    A wildcard host becomes the coordinator's host: routers reach that one already.
+    """
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    if host not in _WILDCARD_HOSTS:
+        return bound
+    engine_host = (
+        coordinator_address.rsplit("://", maxsplit=1)[-1].rpartition(":")[0] or "127.0.0.1"
+    )
+    return f"tcp://{engine_host}:{port}"
 
 
 class ReceiverState(enum.StrEnum):
@@ -119,6 +188,8 @@ class ReceiverState(enum.StrEnum):
     """Listening; no valid ready message yet."""
     REGISTERED = "registered"
     """Registered from a ready message."""
+    STALLED = "stalled"
+    """Registered, but silent past the stall timeout: its record is ``stalled``."""
     FAILED = "failed"
     """The registration was refused (conflict, permission, etcd unavailable)."""
     CLOSED = "closed"
@@ -126,7 +197,7 @@ class ReceiverState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class ReceiverHealth:
-    """A point-in-time view of an EngineEventReceiver: state and frame counts."""
+    """A point-in-time view of an EngineEventReceiver: state, frame counts, relay."""
 
     engine_id: str
     address: str | None
@@ -137,25 +208,48 @@ class ReceiverHealth:
     malformed: int
     rejected: int
     last_error: str | None
+    kv: int = 0
+    """KV-cache events (stored, removed, cleared) taken."""
+    progress: int = 0
+    """Progress heartbeats received."""
+    stalls: int = 0
+    """Times the engine was marked stalled."""
+    silence: float = 0.0
+    """Seconds since the last frame from the engine."""
+    state_address: str | None = None
+    """Where routers read the engine's relayed state, if relayed."""
+    cached_blocks: int = 0
+    """Block hashes the engine holds, as its KV events say."""
+
+
+_OUTCOMES = ("frames", "ready", "kv", "progress", "ignored", "malformed", "rejected", "stalls")
 
 
 class EngineEventReceiver:
-    """Receives a Megatron engine's events and registers the engine from its ready message.
+    """Receives a Megatron engine's events: registers it, watches it, relays its state.
 
     For launchers other than ``discovery launch`` (Slurm wrappers, Ray actors): start it
     (or enter it), pass ``address`` to the engine as ``--dynamo-parent-event-address``,
     and close it when the engine exits; README.md has a complete example.
 
-    The keyword arguments are those of ``register_engine``, plus ``host`` to bind (a
-    routable address when rank zero runs on another node). Thread-safe; from asyncio use
-    ``async with`` and ``await receiver.await_registered()``. The registration lives until
-    ``close()``: tie that to the engine process, which the socket cannot tell about.
+    The keyword arguments are those of ``register_engine``, plus: ``host`` to bind on a
+    random port (a routable address when rank zero runs on another node), or ``address``
+    (``tcp://HOST:PORT``) to bind a fixed port, for engines started by another launcher;
+    ``state_address`` where the state relay binds (``tcp://HOST:PORT``, ``*`` for a random
+    port; True: the event host, a random port; False: no relay); ``stall_timeout``
+    seconds of silence that mark a ready engine ``stalled`` (None or 0: never). Thread-safe;
+    from asyncio use ``async with`` and ``await receiver.await_registered()``. The
+    registration lives until ``close()``: tie that to the engine process, which the socket
+    cannot tell about.
     """
 
     def __init__(
         self,
         *,
-        host: str = "127.0.0.1",
+        host: str | None = None,
+        address: str | None = None,
+        state_address: str | bool = True,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         engine_id: str | None = None,
         ttl: float = 10.0,
         labels: Mapping[str, str] | None = None,
@@ -165,19 +259,32 @@ class EngineEventReceiver:
         metrics: MetricsHooks | None = None,
     ) -> None:
         self.require_libraries()
+        if host is not None and address is not None:
+            raise ConfigurationError("give host (a random port) or address (a fixed one), not both")
         self.engine_id = default_engine_id() if engine_id is None else validate_engine_id(engine_id)
         self._labels = dict(validate_labels(labels))
         self._ttl = check_ttl(ttl)
-        self._host = host
+        host = host or "127.0.0.1"
+        self._bind = parse_address(address, "event address") if address else f"tcp://{host}:*"
+        if state_address is True:
+            state_address = f"tcp://{self._bind.removeprefix('tcp://').rpartition(':')[0]}:*"
+        self._relay = (
+            StateRelay(parse_address(state_address, "state address"), name=self.engine_id)
+            if state_address
+            else None
+        )
+        if stall_timeout is not None and not stall_timeout >= 0:
+            raise ConfigurationError(f"stall timeout must be >= 0 seconds, got {stall_timeout}")
+        self._stall_timeout = stall_timeout or None
         self._settings = settings
         self._connection = connection
         self._replace = replace
         self._metrics = metrics
-        self._count = (metrics or NO_METRICS).engine_event
+        self._hooks = metrics or NO_METRICS
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._state = ReceiverState.WAITING
-        self._counts = dict.fromkeys(("frames", "ready", "ignored", "malformed", "rejected"), 0)
+        self._counts = dict.fromkeys(_OUTCOMES, 0)
         self._last_error: str | None = None
         self._error: DiscoveryError | None = None
         self._registration: Registration | None = None
@@ -185,6 +292,10 @@ class EngineEventReceiver:
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None
         self._closed = False
+        self._heard = time.monotonic()  # the last frame
+        self._ready_since = self._heard  # when the record last became ready (the stall clock)
+        self._progress_seen = False
+        self._ignored_kinds: set[str] = set()
         self._listeners: Listeners[Callable[[ReceiverState], None]] = Listeners()
         self._dispatcher = Dispatcher("discovery-receiver-events")
 
@@ -208,6 +319,11 @@ class EngineEventReceiver:
         return self._address
 
     @property
+    def state_address(self) -> str | None:
+        """Where the state relay listens, once started (None without a relay)."""
+        return None if self._relay is None else self._relay.address
+
+    @property
     def state(self) -> ReceiverState:
         """The current state."""
         return self._state
@@ -223,13 +339,17 @@ class EngineEventReceiver:
         return self._error
 
     def health(self) -> ReceiverHealth:
-        """State and frame counts, for a health endpoint."""
+        """State, frame counts, silence and the relayed state, for a health endpoint."""
+        relay = self._relay.health() if self._relay is not None else None
         with self._lock:
             return ReceiverHealth(
                 engine_id=self.engine_id,
                 address=self._address,
                 state=self._state,
                 last_error=self._last_error,
+                silence=time.monotonic() - self._heard,
+                state_address=None if relay is None else relay.address,
+                cached_blocks=0 if relay is None else relay.blocks,
                 **self._counts,
             )
 
@@ -249,8 +369,8 @@ class EngineEventReceiver:
                 lambda: self._state is not ReceiverState.WAITING, timeout
             ):
                 raise TimeoutError(f"no valid ready message from the engine within {timeout} s")
-            state, registration, error = self._state, self._registration, self._error
-        if state is ReceiverState.REGISTERED and registration is not None:
+            registration, error = self._registration, self._error
+        if registration is not None and self._state is not ReceiverState.CLOSED:
             return registration
         if error is not None:
             raise error
@@ -266,7 +386,7 @@ class EngineEventReceiver:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> str:
-        """Bind the PULL socket on a random port and start receiving; returns the address."""
+        """Bind the PULL socket (and the state relay) and start receiving; the address."""
         import zmq  # noqa: PLC0415
 
         with self._lock:
@@ -277,16 +397,18 @@ class EngineEventReceiver:
             context = zmq.Context()
             sock = context.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
             try:
-                sock.bind_to_random_port(f"tcp://{self._host}")
-            except zmq.ZMQError as exc:
+                self._address = bind_socket(sock, self._bind, "engine-event socket")
+                if self._relay is not None:
+                    self._relay.start()
+            except BaseException:
+                self._address = None
                 sock.close()
                 context.term()
-                raise ConfigurationError(
-                    f"cannot bind the engine-event socket on tcp://{self._host}: {exc}"
-                ) from exc
-            self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                raise
             self._wake = os.pipe()
+            self._heard = time.monotonic()
             self._thread = threading.Thread(
                 target=self._run,
                 args=(context, sock, self._wake[0]),
@@ -315,7 +437,7 @@ class EngineEventReceiver:
         return self._registration
 
     def close(self) -> None:
-        """Stop receiving and revoke the registration's lease (the key is gone). Idempotent."""
+        """Stop receiving and relaying, revoke the registration's lease. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -323,6 +445,8 @@ class EngineEventReceiver:
         registration = self.stop_receiving()
         if registration is not None:
             registration.close()
+        if self._relay is not None:
+            self._relay.close()
         self._set_state(ReceiverState.CLOSED)
         self._dispatcher.stop()
 
@@ -338,7 +462,7 @@ class EngineEventReceiver:
         self.close()
 
     async def __aenter__(self) -> EngineEventReceiver:
-        self.start()  # binds a local socket: does not block
+        self.start()  # binds local sockets: does not block
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -354,9 +478,11 @@ class EngineEventReceiver:
         poller.register(wake, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(self._watch_for_silence()))
                 if wake in ready:
                     return
+                if sock not in ready:
+                    continue
                 try:
                     frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
@@ -369,40 +495,92 @@ class EngineEventReceiver:
             sock.close()
             context.term()
 
+    def _watch_for_silence(self) -> int | None:
+        """Mark a silent engine stalled; how long to wait for the next frame (ms)."""
+        timeout = self._stall_timeout
+        registration = self._registration
+        if timeout is None or not self._progress_seen or registration is None:
+            return None
+        now = time.monotonic()
+        if registration.status not in (EngineStatus.READY, EngineStatus.STALLED):
+            self._ready_since = now  # not a stall while draining or paused; counted from ready
+            return int(min(timeout / 4, 1.0) * 1000)
+        quiet_since = max(self._heard, self._ready_since)
+        if self._state is ReceiverState.REGISTERED and now - quiet_since >= timeout:
+            self._stall(now - self._heard)
+        return int(max(0.0, min(quiet_since + timeout - now, timeout / 4, 1.0)) * 1000)
+
     def _handle(self, frame: bytes) -> None:
+        self._heard = time.monotonic()
         self._tally("frames")
+        if self._state is ReceiverState.STALLED:
+            self._resume()
         try:
             kind, payload = decode_frame(frame)
         except ValueError as exc:
             self._problem("malformed", f"malformed engine-event frame ({len(frame)} bytes): {exc}")
             return
-        if kind != READY:
-            if self._tally("ignored") == 1:
+        if kind in KV_KINDS:
+            try:
+                hashes = kv_change(kind, payload)
+            except ValueError as exc:
+                self._problem("malformed", f"malformed KV event: {exc}")
+                return
+            self._tally("kv")
+            if self._relay is not None:
+                self._relay.publish(kind, hashes)
+        elif kind == PROGRESS:
+            if not self._progress_seen and self._stall_timeout is not None:
                 log.info(
-                    "%s: ignoring engine events other than 'ready' (first: %r)",
+                    "%s: the engine sends progress heartbeats: watching for stalls (%g s)",
                     self.engine_id,
-                    kind,
+                    self._stall_timeout,
                 )
-            return
+            self._progress_seen = True
+            self._tally("progress")
+        elif kind == READY:
+            self._ready(payload)
+        else:
+            self._tally("ignored")
+            if kind not in self._ignored_kinds and len(self._ignored_kinds) < 64:
+                self._ignored_kinds.add(kind)
+                log.info("%s: ignoring engine events of kind %r", self.engine_id, kind)
+
+    def _ready(self, payload: object) -> None:
         try:
-            endpoint, role = endpoint_from_ready(payload)
-            record = EngineRecord(self.engine_id, endpoint, self._labels_with(role))
+            message = parse_ready(payload)
+            record = EngineRecord(
+                self.engine_id,
+                message.endpoint,
+                self._labels_with(message.role),
+                extra=message.extra,
+                extra_capabilities=message.extra_capabilities,
+                state_address=(
+                    None
+                    if self._relay is None or self._relay.address is None
+                    else advertised(self._relay.address, message.endpoint.coordinator_address)
+                ),
+            )
             encode(record)  # the size limit, before anything is written
         except InvalidRecordError as exc:
             self._problem("rejected", f"ready message rejected, nothing registered: {exc}")
             return
         self._tally("ready")
+        if message.version is not None and self._state is ReceiverState.WAITING:
+            log.info("%s: ready message version %s", self.engine_id, _brief(message.version))
+        if self._relay is not None and record.endpoint.capabilities.total_kv_blocks:
+            self._relay.resize(record.endpoint.capabilities.total_kv_blocks)
         if self._state is ReceiverState.WAITING:
             self._register(record)
-        elif self._state is ReceiverState.REGISTERED:
-            self._update(record)
+        elif self._registration is not None:
+            self._dispatcher.submit(self._update, self._registration, record)
 
     def _tally(self, outcome: str) -> int:
         with self._lock:
             self._counts[outcome] += 1
             count = self._counts[outcome]
-        if outcome != "frames":
-            self._count(outcome)
+        if outcome not in ("frames", "stalls"):
+            self._hooks.engine_event(outcome)
         return count
 
     def _problem(self, outcome: str, message: str) -> None:
@@ -430,11 +608,9 @@ class EngineEventReceiver:
 
     def _register(self, record: EngineRecord) -> None:
         try:
-            registration = register_engine(
-                record.endpoint,
-                engine_id=self.engine_id,
+            registration = register_record(
+                record,
                 ttl=self._ttl,
-                labels=record.labels,
                 settings=self._settings,
                 connection=self._connection,
                 replace=self._replace,
@@ -448,19 +624,20 @@ class EngineEventReceiver:
             self._set_state(ReceiverState.FAILED)
             return
         self._registration = registration
+        self._heard = time.monotonic()
         log.info(
-            "%s: ready; registered %s at %s (lease %016x, ttl %d s)",
+            "%s: ready; registered %s at %s (lease %016x, ttl %d s)%s",
             self.engine_id,
             record.endpoint.coordinator_address,
             registration.key,
             registration.lease_id or 0,
             registration.ttl,
+            f"; state relayed on {record.state_address}" if record.state_address else "",
         )
         self._set_state(ReceiverState.REGISTERED)
 
-    def _update(self, record: EngineRecord) -> None:
-        registration = self._registration
-        assert registration is not None  # REGISTERED
+    def _update(self, registration: Registration, record: EngineRecord) -> None:
+        """A later ready message: publish what changed (on the dispatcher's thread)."""
         current = registration.record
         if current.endpoint == record.endpoint and dict(current.labels) == dict(record.labels):
             return
@@ -475,6 +652,41 @@ class EngineEventReceiver:
             self.engine_id,
             record.endpoint.coordinator_address,
         )
+
+    # -- stalls ------------------------------------------------------------------------
+
+    def _stall(self, silence: float) -> None:
+        self._tally("stalls")
+        self._set_state(ReceiverState.STALLED)
+        self._hooks.engine_stalled(self.engine_id, True)
+        log.warning(
+            "%s: no word from the engine for %.1f s (stall timeout %g s): marking it stalled; "
+            "routers skip it until it is heard from again",
+            self.engine_id,
+            silence,
+            self._stall_timeout,
+        )
+        self._switch_status(EngineStatus.READY, EngineStatus.STALLED)
+
+    def _resume(self) -> None:
+        self._set_state(ReceiverState.REGISTERED)
+        self._hooks.engine_stalled(self.engine_id, False)
+        log.info("%s: the engine is heard from again: ready", self.engine_id)
+        self._switch_status(EngineStatus.STALLED, EngineStatus.READY)
+
+    def _switch_status(self, before: EngineStatus, after: EngineStatus) -> None:
+        """``before`` -> ``after`` on the dispatcher's thread (etcd never delays a frame)."""
+        registration = self._registration
+        if registration is None:
+            return
+
+        def switch() -> None:
+            try:
+                registration.switch_status(before, after)
+            except DiscoveryError as exc:
+                log.warning("%s: status %s is delayed: %s", self.engine_id, after, exc)
+
+        self._dispatcher.submit(switch)
 
     def _set_state(self, state: ReceiverState) -> None:
         with self._lock:

@@ -8,6 +8,12 @@
                                 ``stop_timeout``, SIGKILL; exit 0 if it stopped on the signal
       no valid ready within ``ready_timeout``, or the registration refused
                              ─▶ stop the group the same way, exit 1
+      silent past ``stall_timeout`` after it sent progress (a hung engine)
+                             ─▶ ``stall_action`` "mark": the record is ``stalled`` until the
+                                engine is heard from again; "stop": deregister at once, stop
+                                the group the same way (SIGCONT too: a frozen engine must
+                                wake to die), exit ``EXIT_STALLED`` (124, as ``timeout``
+                                exits) so a supervisor restarts it
       the launcher SIGKILLed ─▶ its guard (``_guard.py``) sees the pipe close and stops the
                                 group the same way; the lease expires within its TTL
 
@@ -31,15 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ConfigurationError
-from ._events import EngineEventReceiver, ReceiverState
+from ._events import DEFAULT_STALL_TIMEOUT, EngineEventReceiver, ReceiverState
 from ._signals import StopSignals, drain_and_close
 
-__all__ = ["PLACEHOLDER", "launch"]
+__all__ = ["EXIT_STALLED", "PLACEHOLDER", "STALL_ACTIONS", "launch"]
 
 log = logging.getLogger(__name__)
 
 PLACEHOLDER = "{event_address}"
 EXIT_FAILURE = 1
+EXIT_STALLED = 124  # what coreutils' timeout exits with: the command did not finish in time
+STALL_ACTIONS = ("mark", "stop")
 EXIT_CANNOT_EXECUTE = 126  # the shell's statuses for a command that cannot run
 EXIT_NOT_FOUND = 127
 _GUARD = Path(__file__).with_name("_guard.py")
@@ -105,7 +113,11 @@ class _Guard:
 def launch(
     command: Sequence[str],
     *,
-    event_host: str = "127.0.0.1",
+    event_host: str | None = None,
+    event_address: str | None = None,
+    state_address: str | bool = True,
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+    stall_action: str = "mark",
     ready_timeout: float | None = None,
     stop_timeout: float = 20.0,
     drain_timeout: float = 0.0,
@@ -113,19 +125,33 @@ def launch(
 ) -> int:
     """Run ``command`` as a registered engine until it exits or a stop signal; the exit status.
 
+    ``event_host`` binds the engine-event socket on a random port (default 127.0.0.1);
+    ``event_address`` (``tcp://HOST:PORT``) on a fixed one. ``state_address`` is where the
+    engine's state is relayed to routers (see ``EngineEventReceiver``). An engine silent
+    for ``stall_timeout`` s after it sent progress is marked ``stalled`` (``stall_action``
+    "mark"), or deregistered and stopped with exit status ``EXIT_STALLED`` ("stop").
     On SIGTERM/SIGINT the engine is first marked ``draining`` for ``drain_timeout``
     seconds while it keeps serving (0: deregistered at once), then deregistered and
-    stopped. ``register`` takes the keyword arguments of ``EngineEventReceiver`` (those
-    of ``register_engine``). Call from the main thread: it installs SIGTERM/SIGINT
-    handlers for its duration.
+    stopped. ``register`` takes the keyword arguments of ``register_engine``. Call from
+    the main thread: it installs SIGTERM/SIGINT handlers for its duration.
     """
     check_command(command)
+    if stall_action not in STALL_ACTIONS:
+        raise ConfigurationError(
+            f"stall action must be one of {', '.join(STALL_ACTIONS)}, not {stall_action!r}"
+        )
     for name, value in (("ready timeout", ready_timeout), ("stop timeout", stop_timeout)):
         if value is not None and not value > 0:
             raise ConfigurationError(f"{name} must be a positive number of seconds, got {value}")
     if not drain_timeout >= 0:
         raise ConfigurationError(f"drain timeout must be >= 0 seconds, got {drain_timeout}")
-    receiver = EngineEventReceiver(host=event_host, **register)
+    receiver = EngineEventReceiver(
+        host=event_host,
+        address=event_address,
+        state_address=state_address,
+        stall_timeout=stall_timeout,
+        **register,
+    )
     wakeups = StopSignals()
     try:
         receiver.subscribe(lambda state: wakeups.note())
@@ -143,6 +169,7 @@ def launch(
             ready_timeout=ready_timeout,
             stop_timeout=stop_timeout,
             drain_timeout=drain_timeout,
+            stop_when_stalled=stall_action == "stop",
         ).run()
     finally:
         receiver.close()
@@ -153,13 +180,17 @@ def launch(
 def _log_summary(receiver: EngineEventReceiver) -> None:
     health = receiver.health()
     log.info(
-        "%s: engine events: %d frames, %d ready, %d ignored, %d malformed, %d rejected",
+        "%s: engine events: %d frames, %d ready, %d kv, %d progress, %d ignored, "
+        "%d malformed, %d rejected; %d stalls",
         health.engine_id,
         health.frames,
         health.ready,
+        health.kv,
+        health.progress,
         health.ignored,
         health.malformed,
         health.rejected,
+        health.stalls,
     )
 
 
@@ -175,8 +206,10 @@ class _Supervisor:
         ready_timeout: float | None,
         stop_timeout: float,
         drain_timeout: float,
+        stop_when_stalled: bool,
     ) -> None:
         self._child = child
+        self._stop_when_stalled = stop_when_stalled
         self._drain_timeout = drain_timeout
         self._receiver = receiver
         self._wakeups = wakeups
@@ -211,6 +244,8 @@ class _Supervisor:
                 return self._child_exited()
             if signals:
                 return self._stop_requested(signals[0])
+            if self._receiver.state is ReceiverState.STALLED and self._stop_when_stalled:
+                return self._stalled()
             if self._receiver.state is ReceiverState.FAILED:
                 log.error("%s: stopping the engine: %s", self._name, self._receiver.error)
                 self._stop_child(signal.SIGTERM)
@@ -235,6 +270,18 @@ class _Supervisor:
         log.info("%s: engine %s; deregistered", self._name, _describe(returncode))
         return exit_status(returncode)
 
+    def _stalled(self) -> int:
+        log.error(
+            "%s: the engine is stalled and the stall action is stop: deregistering, then "
+            "stopping it (exit status %d)",
+            self._name,
+            EXIT_STALLED,
+        )
+        self._receiver.close()  # the record goes first: no router waits on a hung engine
+        returncode = self._stop_child(signal.SIGTERM)
+        log.info("%s: engine %s; deregistered", self._name, _describe(returncode))
+        return EXIT_STALLED
+
     def _stop_requested(self, sig: signal.Signals) -> int:
         # A registration in flight completes first: its record may already be visible.
         registration = self._receiver.stop_receiving()
@@ -256,6 +303,9 @@ class _Supervisor:
     def _stop_child(self, sig: signal.Signals) -> int:
         """Signal the group, SIGKILL it after the stop timeout (or a second signal)."""
         _kill_group(self._child.pid, sig)
+        _kill_group(
+            self._child.pid, signal.SIGCONT
+        )  # a frozen (SIGSTOPped) engine must run to stop
         deadline = time.monotonic() + self._stop_timeout
         while self._child.returncode is None and (remaining := deadline - time.monotonic()) > 0:
             if self._wakeups.wait(remaining):

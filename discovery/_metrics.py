@@ -21,13 +21,15 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ._record import EngineStatus
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 __all__ = ["NO_METRICS", "Metrics", "MetricsHooks"]
 
 _REGISTRATION_STATES = ("registering", "registered", "lost", "closed")
-_STATUSES = ("starting", "ready", "draining")
+_STATUSES = tuple(status.value for status in EngineStatus)
 
 
 class MetricsHooks(Protocol):
@@ -65,7 +67,22 @@ class MetricsHooks(Protocol):
         return None
 
     def engine_event(self, outcome: str) -> None:
-        """An engine-event frame arrived: ``ready``, ``ignored``, ``malformed``, ``rejected``."""
+        """An engine-event frame arrived, by outcome.
+
+        ``ready``, ``kv``, ``progress``, ``ignored``, ``malformed`` or ``rejected``.
+        """
+        return None
+
+    def engine_stalled(self, engine_id: str, stalled: bool) -> None:
+        """A launcher marked its engine stalled (True) or heard from it again (False)."""
+        return None
+
+    def engine_state_resync(self, reason: str) -> None:
+        """A router asked a relay for a snapshot: ``start``, ``gap``, ``epoch``."""
+        return None
+
+    def observe_engine_states(self, states: Any) -> None:
+        """Read ``states`` (an ``EngineStates``) at scrape time: ages and blocks."""
         return None
 
     def watcher_connected(self, prefix: str, connected: bool) -> None:
@@ -220,9 +237,24 @@ class Metrics(MetricsHooks):
         # engine events (discovery launch, EngineEventReceiver)
         self._engine_events = counter(
             "discovery_engine_events_total",
-            "Engine-event frames received, by outcome: ready, ignored, malformed, rejected.",
+            "Engine-event frames received, by outcome: ready, kv, progress, ignored, "
+            "malformed, rejected.",
             ("outcome",),
         )
+        self._stalled = gauge(
+            "discovery_engine_stalled",
+            "1 while the launcher has marked its engine stalled (silent past the stall timeout).",
+            ("engine_id",),
+        )
+        self._stalls = counter(
+            "discovery_engine_stalls_total", "Times an engine was marked stalled.", ("engine_id",)
+        )
+        self._state_resyncs = counter(
+            "discovery_engine_state_resyncs_total",
+            "Snapshots a router asked engines' state relays for, by reason: start, gap, epoch.",
+            ("reason",),
+        )
+        self._engine_states: weakref.WeakSet[Any] = weakref.WeakSet()
         # routing
         self._picks = counter(
             "discovery_router_picks_total", "Engines picked, by the policy that chose.", ("policy",)
@@ -295,6 +327,20 @@ class Metrics(MetricsHooks):
     def engine_event(self, outcome: str) -> None:
         """Count one engine-event frame by its outcome."""
         self._engine_events.labels(outcome).inc()
+
+    def engine_stalled(self, engine_id: str, stalled: bool) -> None:
+        """Set the stalled gauge; count a stall."""
+        self._stalled.labels(engine_id).set(1 if stalled else 0)
+        if stalled:
+            self._stalls.labels(engine_id).inc()
+
+    def engine_state_resync(self, reason: str) -> None:
+        """Count a snapshot asked for."""
+        self._state_resyncs.labels(reason).inc()
+
+    def observe_engine_states(self, states: Any) -> None:
+        """Export ``states``' per-engine ages and block counts at scrape time."""
+        self._engine_states.add(states)
 
     # -- watcher -----------------------------------------------------------------------
 
@@ -416,6 +462,32 @@ class _LiveCollector:
         for engine_id, seconds in sorted(fences.items()):
             fenced.add_metric([engine_id], seconds)
         yield fenced
+        yield from _engine_states(list(metrics._engine_states))
+
+
+def _engine_states(followers: list[Any]) -> Iterator[Any]:
+    """Per engine, the age of the relayed state a router holds (the oldest across followers)."""
+    from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+
+    ages: dict[str, float] = {}
+    blocks = 0
+    for states in followers:
+        for engine_id, age in states.ages().items():
+            ages[engine_id] = max(age, ages.get(engine_id, 0.0))
+        blocks += states.health().blocks
+    age_family = GaugeMetricFamily(
+        "discovery_engine_state_age_seconds",
+        "Seconds since an engine's state relay last said anything (routers' view).",
+        labels=["engine_id"],
+    )
+    for engine_id, age in sorted(ages.items()):
+        age_family.add_metric([engine_id], age)
+    yield age_family
+    yield GaugeMetricFamily(
+        "discovery_engine_state_blocks",
+        "Cached block hashes the routers hold, over every engine.",
+        value=blocks,
+    )
 
 
 def _staleness(watchers: list[Any]) -> Iterator[Any]:

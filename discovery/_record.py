@@ -100,6 +100,8 @@ class EngineStatus(enum.StrEnum):
     """Taking new requests."""
     DRAINING = "draining"
     """Finishing the requests it has, taking no new ones; leaves at ``drain_deadline``."""
+    STALLED = "stalled"
+    """Silent past its launcher's stall timeout (hung, frozen): no new requests until heard."""
 
 
 def validate_status(status: object) -> EngineStatus:
@@ -121,6 +123,14 @@ def drain_deadline_after(timeout: object) -> datetime:
 def format_time(moment: datetime) -> str:
     """ISO 8601 in UTC with milliseconds and a ``Z``, as stored."""
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _checked_address(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("tcp://") or len(value) > 256:
+        raise InvalidRecordError(f"state_address must be tcp://HOST:PORT, not {value!r}")
+    return value
 
 
 # -- how a field is stored -----------------------------------------------------------------
@@ -146,12 +156,16 @@ _STATUSES: dict[object, EngineStatus] = {
     None: EngineStatus.READY,
     **{s.value: s for s in EngineStatus},
 }
-STATUS = Form(
-    str | None,
-    lambda v: _STATUSES.get(v) or validate_status(v),  # a lookup: the value of every record
-    str,
-    validate_status,
-)
+
+
+def _load_status(value: object) -> EngineStatus:
+    try:
+        return _STATUSES[value]  # a lookup: the status of every record decoded
+    except (KeyError, TypeError):  # TypeError: unhashable, a list say
+        return validate_status(value)
+
+
+STATUS = Form(str | None, _load_status, str, validate_status)
 
 
 def _time(name: str, *, aware: bool) -> Form:
@@ -252,7 +266,8 @@ class EngineRecord:
         EngineStatus.READY,
         form=STATUS,
         json="string",
-        doc="`starting`, `ready` or `draining`: routers pick `ready` engines; absent means `ready`",
+        doc="`starting`, `ready`, `draining` or `stalled` (silent past its launcher's stall "
+        "timeout): routers pick `ready` engines; absent means `ready`",
         always=True,
         adopt=True,
         column=Column("STATUS", _status_cell, lead=True),
@@ -262,6 +277,12 @@ class EngineRecord:
         json="ISO 8601 string",
         doc="when a `draining` engine's lease is revoked (UTC); only on a draining record",
         adopt=True,
+    )
+    state_address: str | None = _stored(
+        form=Form(str | None, _checked_address, str, _checked_address),
+        json="string",
+        doc="where the engine's launcher relays its live state (cached blocks, load) over "
+        "ZeroMQ, `tcp://HOST:PORT`; read by routers' `EngineStates`",
     )
     extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     extra_capabilities: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)

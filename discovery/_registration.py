@@ -298,6 +298,22 @@ class Registration:
         new = validate_status(status)
         self._change(lambda record: replace(record, status=new, drain_deadline=None))
 
+    def switch_status(self, before: EngineStatus, after: EngineStatus) -> bool:
+        """Publish ``after`` only if the status is ``before``; whether it was.
+
+        Unlike ``set_status``, it yields to an outside change it meets (an operator's
+        drain made meanwhile stays). Raises like ``update()``.
+        """
+        switched = False
+
+        def change(record: EngineRecord) -> EngineRecord:
+            nonlocal switched
+            switched = record.status is before
+            return replace(record, status=after) if switched else record
+
+        self._change(change, status=False)
+        return switched
+
     def drain(self, timeout: float) -> None:
         """Mark the record ``draining`` now, and close when ``timeout`` seconds have passed.
 
@@ -324,6 +340,8 @@ class Registration:
             if self._state is RegistrationState.CLOSED:
                 raise ClosedError(f"registration {self.engine_id!r} is closed")
             record = change(self._record)
+            if record is self._record:
+                return  # nothing to change
             encode(record)  # refuses a bad or oversized record before anything changes
             self._record = record
             self._dirty = True
@@ -689,9 +707,31 @@ def register_engine(
         extra=extra,
         extra_capabilities=extra_capabilities,
         labels=labels or {},
-        registered_at=datetime.now(UTC),
         status=validate_status(status),
     )
+    return register_record(
+        record,
+        ttl=ttl,
+        settings=settings,
+        connection=connection,
+        session=session,
+        replace=replace,
+        metrics=metrics,
+    )
+
+
+def register_record(
+    record: EngineRecord,
+    *,
+    ttl: float | None = None,
+    settings: Settings | None = None,
+    connection: EtcdPort | None = None,
+    session: Session | None = None,
+    replace: bool = False,
+    metrics: MetricsHooks | None = None,
+) -> Registration:
+    """``register_engine`` of a whole record (the engine-event receiver's way in)."""
+    record = _stamped(record)
     value = encode(record)  # refuses an oversized record before anything is written
     private = session is None
     if session is None:

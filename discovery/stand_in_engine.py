@@ -1,32 +1,60 @@
 r"""A stand-in for Megatron's rank zero, for the demo and the tests: no model, same frames.
 
     python -m discovery.stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
-        [--ready JSON] [--kv-events N] [--exit-status N]
+        [--ready JSON] [--ready-shape flat|nested] [--role ROLE] [--version V] \
+        [--kv-events N] [--kv-rate R] [--no-progress] [--truth FILE] [--exit-status N]
 
 It does on the wire exactly what Megatron's ``EngineEventReporter`` does
 (``megatron/inference/integrations/dynamo/telemetry.py``): a PUSH socket with LINGER 0
 connected to the parent's address, frames ``msgpack.packb([kind, payload],
-use_bin_type=True)``: first ``"ready"`` with ``InferenceEngineEndpoint.to_dict()`` (or the
-``--ready`` JSON as given, valid or not), then ``--kv-events`` KV-cache events (``"stored"``
-and ``"removed"``). Then it runs until SIGTERM or SIGINT and exits with ``--exit-status``.
+use_bin_type=True)``:
+
+* ``"ready"`` first: ``InferenceEngineEndpoint.to_dict()`` (``flat``, as Megatron's
+  ``engine_service.py`` sends it since its endpoint module), or ``{"coordinator_address",
+  "engine": engine_metadata}`` (``nested``, as the dynamo integration's pull request sends
+  it: the capabilities and a ``role``, no policy), optionally with ``"version"``; or the
+  ``--ready`` JSON as given, valid or not;
+* the KV-cache events of ``DynamoHelper``: ``"stored"`` (``block_hashes`` with Megatron's
+  SHA-256 block hash of the prompt's complete blocks, ``token_ids``, ``num_block_tokens``,
+  ``parent_hash``), ``"removed"`` (LRU evictions beyond ``total_kv_blocks``) and
+  ``"cleared"``: ``--kv-events N`` prompts at start, then ``--kv-rate R`` prompts a
+  second; prompts share a few system prompts, as chat traffic does;
+* ``"progress"`` ``{}`` at most every 0.5 s while running (``--no-progress``: an older
+  Megatron that sends none).
+
+SIGUSR1 makes it go silent (no frame at all, as a hung engine) and SIGUSR2 talk again;
+SIGSTOP freezes it for real. ``--truth FILE`` keeps the block hashes it holds in FILE
+(JSON, rewritten atomically on every change) for tests to compare routers' views with. It
+runs until SIGTERM or SIGINT and exits with ``--exit-status``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import random
 import signal
 import sys
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from ._blockhash import block_hashes
 from ._endpoint import (
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
 )
 
+__all__ = ["StandInCache", "default_endpoint", "main", "nested_ready"]
+
 _BLOCK_TOKENS = 256
+_PROGRESS_EVERY = 0.5  # Megatron's rate limit on progress heartbeats
+_SYSTEM_PROMPTS = 4
+_VOCABULARY = 32_000
 
 
 def default_endpoint(address: str = "tcp://127.0.0.1:5555", **capabilities: Any) -> dict[str, Any]:
@@ -45,46 +73,194 @@ def default_endpoint(address: str = "tcp://127.0.0.1:5555", **capabilities: Any)
     return InferenceEngineEndpoint(address, InferenceEngineCapabilities(**values)).to_dict()
 
 
-def kv_events(count: int) -> list[tuple[str, dict[str, Any]]]:
-    """``count`` KV-cache events of Megatron's kinds: blocks stored, then removed."""
-    events: list[tuple[str, dict[str, Any]]] = []
-    for n in range(count):
-        block_hashes = [0x5EED0000 + n]
-        if n % 2 == 0:
-            events.append(
-                ("stored", {"block_hashes": block_hashes, "token_ids": list(range(_BLOCK_TOKENS))})
+def nested_ready(endpoint: dict[str, Any], role: str) -> dict[str, Any]:
+    """The nested ready payload of Megatron's dynamo integration for ``endpoint``.
+
+    Its ``engine_metadata(engine, role)``: the capabilities, ``role`` after
+    ``max_num_batched_tokens``, ``logical_data_parallel_size`` 1, and no policy.
+    """
+    caps = endpoint["capabilities"]
+    engine = {
+        key: caps[key]
+        for key in (
+            "context_length",
+            "kv_cache_block_size",
+            "total_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+        )
+    }
+    engine["role"] = role
+    engine["bos_token_id"] = caps["bos_token_id"]
+    engine["enable_prefix_caching"] = caps["enable_prefix_caching"]
+    engine["logical_data_parallel_size"] = 1
+    return {"coordinator_address": endpoint["coordinator_address"], "engine": engine}
+
+
+class StandInCache:
+    """An engine's prefix cache: LRU over ``capacity`` blocks, with Megatron's KV events.
+
+    ``serve(tokens)`` caches the prompt's complete blocks; it returns the events Megatron
+    would send: ``"stored"`` for the blocks not cached yet (a cache hit is not announced
+    again), ``"removed"`` for the blocks evicted to make room.
+    """
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, tokens: Sequence[int]) -> list[tuple[str, dict[str, Any]]]:
+        """Cache ``tokens``' complete blocks; the KV events that says."""
+        hashes = block_hashes(tokens, self.block_size)
+        for block_hash in hashes:
+            if block_hash in self.blocks:
+                self.blocks.move_to_end(block_hash)
+        new = [i for i, block_hash in enumerate(hashes) if block_hash not in self.blocks]
+        events: list[tuple[str, dict[str, Any]]] = []
+        if not new:
+            return events
+        start = new[0]  # blocks after the first miss are new too: the hash chains
+        for block_hash in hashes[start:]:
+            self.blocks[block_hash] = None
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        size = self.block_size
+        events.append(
+            (
+                "stored",
+                {
+                    "block_hashes": hashes[start:],
+                    "token_ids": list(tokens[start * size : len(hashes) * size]),
+                    "num_block_tokens": [size] * (len(hashes) - start),
+                    "parent_hash": hashes[start - 1] if start > 0 else None,
+                },
             )
-        else:
-            events.append(("removed", {"block_hashes": [0x5EED0000 + n - 1]}))
-    return events
+        )
+        if evicted:
+            events.append(("removed", {"block_hashes": evicted}))
+        return events
+
+    def clear(self) -> list[tuple[str, dict[str, Any]]]:
+        """Drop everything (a reset): Megatron's ``"cleared"``."""
+        self.blocks.clear()
+        return [("cleared", {})]
+
+
+def chat_prompt(rng: random.Random, block_size: int) -> list[int]:
+    """A prompt: one of a few system prompts, then a user's own turns."""
+    system = random.Random(rng.randrange(_SYSTEM_PROMPTS))
+    head = [system.randrange(_VOCABULARY) for _ in range(block_size * 2)]
+    return head + [rng.randrange(_VOCABULARY) for _ in range(block_size * rng.randint(1, 4))]
+
+
+def _write_truth(path: str, cache: StandInCache) -> None:
+    partial = f"{path}.part"
+    with open(partial, "w") as handle:
+        json.dump(list(cache.blocks), handle)
+    os.replace(partial, path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m discovery.stand_in_engine")
+    parser.add_argument("--dynamo-parent-event-address", required=True)
+    parser.add_argument("--ready", type=json.loads, help="ready payload as JSON, sent as is")
+    parser.add_argument("--ready-shape", choices=("flat", "nested"), default="flat")
+    parser.add_argument("--role", default="aggregated", help="the nested shape's role")
+    parser.add_argument("--version", type=int, help="a version key in the ready payload")
+    parser.add_argument("--kv-events", type=int, default=4, help="prompts served at start")
+    parser.add_argument("--kv-rate", type=float, default=0.0, help="prompts served a second")
+    parser.add_argument("--no-progress", action="store_true", help="send no progress frames")
+    parser.add_argument("--truth", help="keep the held block hashes in this JSON file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exit-status", type=int, default=0)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Send the frames, then wait for SIGTERM/SIGINT; returns ``--exit-status``."""
-    import msgpack  # noqa: PLC0415 - the launch extra; the demo imports default_endpoint
-    import zmq  # noqa: PLC0415
+    """Send the frames until SIGTERM/SIGINT; returns ``--exit-status``."""
+    import zmq  # noqa: PLC0415 - the launch extra; the demo imports default_endpoint
 
-    parser = argparse.ArgumentParser(prog="python -m discovery.stand_in_engine")
-    parser.add_argument("--dynamo-parent-event-address", required=True)
-    parser.add_argument("--ready", type=json.loads, help="ready payload as JSON")
-    parser.add_argument("--kv-events", type=int, default=4)
-    parser.add_argument("--exit-status", type=int, default=0)
-    args = parser.parse_args(argv)
-    stop = {signal.SIGTERM, signal.SIGINT}
-    # Blocked before ZeroMQ starts its threads, so sigwait() below gets them.
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    args = _parser().parse_args(argv)
+    # Blocked before ZeroMQ starts its threads, so sigtimedwait() gets them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP | _TALK)
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.dynamo_parent_event_address)
-    ready = default_endpoint() if args.ready is None else args.ready
-    for kind, payload in [("ready", ready), *kv_events(args.kv_events)]:
-        sock.send(msgpack.packb([kind, payload], use_bin_type=True))
-    received = signal.Signals(signal.sigwait(stop))
+    try:
+        received = _StandIn(args, sock).run()
+    finally:
+        sock.close()
+        context.term()
     print(f"stand-in engine: {received.name}, exiting {args.exit_status}", file=sys.stderr)
-    sock.close()
-    context.term()
     return int(args.exit_status)
+
+
+_STOP = {signal.SIGTERM, signal.SIGINT}
+_TALK = {signal.SIGUSR1, signal.SIGUSR2}  # go silent, talk again
+
+
+class _StandIn:
+    """The engine's side of the socket: ready, KV events, progress, silence on demand."""
+
+    def __init__(self, args: argparse.Namespace, sock: Any) -> None:
+        import msgpack  # noqa: PLC0415
+
+        self._args = args
+        self._sock = sock
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        endpoint = default_endpoint()
+        caps = endpoint["capabilities"]
+        self._cache = StandInCache(caps["total_kv_blocks"], caps["kv_cache_block_size"])
+        self._rng = random.Random(args.seed)
+        if args.ready is not None:
+            self._ready = args.ready
+        elif args.ready_shape == "nested":
+            self._ready = nested_ready(endpoint, args.role)
+        else:
+            self._ready = endpoint
+        if args.version is not None and isinstance(self._ready, dict):
+            self._ready = {**self._ready, "version": args.version}
+
+    def send(self, kind: str, payload: object) -> None:
+        self._sock.send(self._pack([kind, payload]))
+
+    def serve(self) -> None:
+        """Serve one chat prompt: its KV events go out."""
+        for kind, payload in self._cache.serve(chat_prompt(self._rng, self._cache.block_size)):
+            self.send(kind, payload)
+        if self._args.truth:
+            _write_truth(self._args.truth, self._cache)
+
+    def run(self) -> signal.Signals:
+        """Talk until a stop signal; the signal."""
+        args = self._args
+        self.send("ready", self._ready)
+        for _ in range(args.kv_events):
+            self.serve()
+        period = 1 / args.kv_rate if args.kv_rate > 0 else 3600.0
+        silent = False
+        next_prompt = time.monotonic() + period
+        next_progress = time.monotonic() if not args.no_progress else math.inf
+        while True:
+            wait = max(0.0, min(next_progress, next_prompt) - time.monotonic())
+            received = signal.sigtimedwait(_STOP | _TALK, wait)
+            if received is not None and received.si_signo in _STOP:
+                return signal.Signals(received.si_signo)
+            if received is not None:
+                silent = received.si_signo == signal.SIGUSR1
+                continue
+            now = time.monotonic()
+            if now >= next_prompt:
+                if not silent:
+                    self.serve()
+                next_prompt = now + period
+            if now >= next_progress:
+                if not silent:
+                    self.send("progress", {})
+                next_progress = now + _PROGRESS_EVERY
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: 
         added = json.loads(watch.stdout.readline())
         assert set(added) == {
             "type", "engine_id", "key", "revision", "endpoint",
-            "labels", "registered_at", "status", "drain_deadline",
+            "labels", "registered_at", "status", "drain_deadline", "state_address",
         }  # fmt: skip
         assert (added["type"], added["engine_id"]) == ("added", "victim")
         assert added["endpoint"]["coordinator_address"] == "tcp://victim:5555"

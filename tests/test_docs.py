@@ -53,6 +53,9 @@ INTENDED = {
     "RegistrationHealth",
     # automatic registration on engine start (Megatron's engine events)
     "EngineEventReceiver",
+    "EngineStates",
+    "EngineState",
+    "EngineStatesHealth",
     "launch",
     "ReceiverState",
     "ReceiverHealth",

@@ -6,6 +6,8 @@ import asyncio
 import enum
 import json
 import logging
+import socket
+import time
 
 import msgpack
 import pytest
@@ -16,12 +18,15 @@ from discovery import (
     ConfigurationError,
     EngineConflictError,
     EngineEventReceiver,
+    EngineStatus,
     InvalidRecordError,
     ReceiverState,
     Settings,
+    drain,
     register_engine,
+    undrain,
 )
-from discovery._events import decode_frame, endpoint_from_ready
+from discovery._events import READY_SHAPES, decode_frame, parse_ready
 
 from .helpers import MEGATRON_FIELDS, WatchLog, caps_kwargs, get_kv, make_endpoint, wait_for
 
@@ -96,19 +101,17 @@ def test_megatron_frames_register_exactly_the_ready_payload(
     registration = receiver.wait_registered(timeout=10)
     assert receiver.state is ReceiverState.REGISTERED
     value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
-    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status")}
+    metadata = {
+        k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status", "state_address")
+    }
     assert value == json.loads(json.dumps(payload))  # Megatron's to_dict(), unchanged
     assert metadata["engine_id"] == "rz-0" and metadata["labels"] == {"model": "m"}
     assert metadata["status"] == "ready"
+    assert metadata["state_address"] == receiver.state_address
     _frames_seen(receiver, 3)
     health = receiver.health()
-    assert (health.frames, health.ready, health.ignored, health.malformed, health.rejected) == (
-        3,
-        1,
-        2,
-        0,
-        0,
-    )
+    assert (health.frames, health.ready, health.kv, health.ignored) == (3, 1, 2, 0)
+    assert (health.malformed, health.rejected) == (0, 0)
     receiver.close()
     assert get_kv(settings.endpoints, registration.key) is None  # close() revoked the lease
     assert receiver.state is ReceiverState.CLOSED
@@ -131,11 +134,14 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
     for frame in malformed:
         rank_zero.send_raw(frame)
     rank_zero.send("stored", {"block_hashes": [7]})
+    rank_zero.send("stored", {"block_hashes": ["seven"]})  # not a hash: malformed
+    rank_zero.send("removed", {"hashes": [7]})  # no block_hashes: malformed
     rank_zero.send("a-kind-from-the-future", None)
+    rank_zero.send("handoff_imported", {"request_id": 7})  # a fork's kind: nobody uses it
     caps = megatron_to_dict()["capabilities"]
     rejected = [
         "not a map",
-        {**caps, "role": "prefill"},  # Megatron's engine_metadata(): capabilities with a role
+        {**caps, "role": "prefill"},  # capabilities with a role, but no address nor engine
         caps,  # bare capabilities
         {"something": "else"},
         {"coordinator_address": "tcp://x:1", "capabilities": {"context_length": 1}},
@@ -143,20 +149,22 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
         megatron_to_dict(prefix_caching_coordinator_policy="nearest"),
         {**megatron_to_dict(), "role": 7},
         {**megatron_to_dict(), "role": "x" * 300},  # a role label must fit
+        {"coordinator_address": "tcp://x:1", "engine": {**caps, "role": ["decode"]}},
     ]
     for payload in rejected:
         rank_zero.send("ready", payload)
-    total = len(malformed) + 2 + len(rejected)
+    total = len(malformed) + 5 + len(rejected)
     _frames_seen(receiver, total)
     health = receiver.health()
-    assert (health.malformed, health.ignored, health.rejected, health.ready) == (5, 2, 9, 0)
+    assert (health.malformed, health.kv, health.ignored) == (7, 1, 2)
+    assert (health.rejected, health.ready) == (10, 0)
     assert health.state is ReceiverState.WAITING
     assert get_kv(settings.endpoints, settings.keyspace.key("rz-0")) is None
     log = caplog.text
     assert "not msgpack (FormatError" in log and "not a [kind, payload] pair" in log
-    assert "Megatron's engine metadata (capabilities with a role" in log
-    assert "bare capabilities (InferenceEngineCapabilities.to_dict())" in log
-    assert "(endpoint shape) is missing field 'kv_cache_block_size'" in log
+    assert "block hash that is not a 64-bit integer" in log and "no block_hashes list" in log
+    assert f"ready payload fits no shape: accepted are {READY_SHAPES}" in log
+    assert "flat ready payload is missing field 'kv_cache_block_size'" in log
     assert "context_length must be positive" in log
     assert "role must be a string" in log
     assert "nothing registered" in log
@@ -270,9 +278,237 @@ def test_frame_and_payload_parsing() -> None:
     )
     with pytest.raises(ValueError, match="not msgpack"):
         decode_frame(msgpack.packb(["ready", {}]) + b"\x00")  # extra data
-    endpoint, role = endpoint_from_ready(megatron_to_dict())
-    assert endpoint.to_dict() == megatron_to_dict() and role is None
+    message = parse_ready(megatron_to_dict())
+    assert message.endpoint.to_dict() == megatron_to_dict() and message.role is None
     with pytest.raises(InvalidRecordError, match="is a list, not a map"):
-        endpoint_from_ready([])
+        parse_ready([])
     with pytest.raises(InvalidRecordError, match="its keys: \\['a', 'b'\\]"):
-        endpoint_from_ready({"b": 1, "a": 2})
+        parse_ready({"b": 1, "a": 2})
+
+
+# -- every ready shape Megatron's code sends ------------------------------------------------
+
+
+class StubEngine:
+    """The attributes of a DynamicInferenceEngine that Megatron's ready builders read."""
+
+    def __init__(self, **context: object) -> None:
+        values = {
+            "max_sequence_length": 16384,
+            "block_size_tokens": 64,
+            "max_requests": 32,
+            "max_tokens": 8192,
+            "enable_prefix_caching": True,
+            "kv_block_allocator": type("Allocator", (), {"pool_size": 2049})(),
+        }
+        values.update(context)
+        self.context = type("Context", (), values)()
+        self.controller = type("Controller", (), {"tokenizer": type("T", (), {"bos": 151643})()})()
+
+
+def megatron_engine_metadata(engine, role: str) -> dict:
+    """Megatron's ``engine_metadata`` (dynamo/protocol.py, pull-request/6675), verbatim."""
+    allocator = engine.context.kv_block_allocator
+    tokenizer = engine.controller.tokenizer
+    bos_token_id = next(
+        (
+            int(value)
+            for name in ("bos", "bos_token_id", "eod")
+            if (value := getattr(tokenizer, name, None)) is not None
+        ),
+        0,
+    )
+    return {
+        "context_length": int(engine.context.max_sequence_length),
+        "kv_cache_block_size": int(engine.context.block_size_tokens),
+        "total_kv_blocks": max(0, int(allocator.pool_size) - 1),
+        "max_num_seqs": int(engine.context.max_requests),
+        "max_num_batched_tokens": int(engine.context.max_tokens),
+        "role": role,
+        "bos_token_id": bos_token_id,
+        "enable_prefix_caching": bool(engine.context.enable_prefix_caching),
+        "logical_data_parallel_size": 1,
+    }
+
+
+def megatron_nested_ready(address: str, engine, role: str) -> dict:
+    """engine_service.py's ready(): ``{"coordinator_address": ..., "engine": metadata}``."""
+    return {"coordinator_address": address, "engine": megatron_engine_metadata(engine, role)}
+
+
+def megatron_02f201a3_to_dict(address: str, engine) -> dict:
+    """``InferenceEngineEndpoint.from_engine(...).to_dict()`` at Megatron-LM 02f201a3:
+    eight capability fields, no policy (dataclasses.asdict order)."""
+    metadata = megatron_engine_metadata(engine, "aggregated")
+    metadata.pop("role")
+    order = (*MEGATRON_FIELDS[:8],)
+    return {"coordinator_address": address, "capabilities": {k: metadata[k] for k in order}}
+
+
+SHAPES = {
+    "flat, with the policy (endpoint module with prefix_caching_coordinator_policy)": (
+        lambda engine: megatron_to_dict("tcp://10.0.0.9:7001"),
+        None,
+    ),
+    "flat, eight fields (Megatron-LM 02f201a3)": (
+        lambda engine: megatron_02f201a3_to_dict("tcp://10.0.0.9:7001", engine),
+        None,
+    ),
+    "nested (dynamo integration, pull-request/6675)": (
+        lambda engine: megatron_nested_ready("tcp://10.0.0.9:7001", engine, "prefill"),
+        "prefill",
+    ),
+    "nested with a version": (
+        lambda engine: {
+            **megatron_nested_ready("tcp://10.0.0.9:7001", engine, "decode"),
+            "version": 3,
+        },
+        "decode",
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_each_ready_shape_registers(settings: Settings, shape: str) -> None:
+    build, role = SHAPES[shape]
+    engine = StubEngine()
+    payload = build(engine)
+    with EngineEventReceiver(engine_id="shaped", settings=settings, labels={"m": "x"}) as rx:
+        sender = RankZero(rx.address)
+        try:
+            sender.send("ready", payload)
+            registration = rx.wait_registered(timeout=10)
+        finally:
+            sender.close()
+        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        caps = value["capabilities"]
+        assert value["coordinator_address"] == "tcp://10.0.0.9:7001"
+        if "nested" in shape or "02f201a3" in shape:
+            assert caps == {
+                "context_length": 16384,
+                "kv_cache_block_size": 64,
+                "total_kv_blocks": 2048,
+                "max_num_seqs": 32,
+                "max_num_batched_tokens": 8192,
+                "bos_token_id": 151643,
+                "enable_prefix_caching": True,
+                "logical_data_parallel_size": 1,
+                "prefix_caching_coordinator_policy": None,  # not in these shapes
+            }
+        else:
+            assert caps == json.loads(json.dumps(payload["capabilities"]))
+        assert value["labels"] == ({"m": "x", "role": role} if role else {"m": "x"})
+        assert "role" not in caps and "version" not in value
+        assert rx.health().ready == 1 and rx.health().rejected == 0
+
+
+def test_a_nested_ready_keeps_keys_it_does_not_know(settings: Settings) -> None:
+    payload = megatron_nested_ready("tcp://10.0.0.9:7001", StubEngine(), "prefill")
+    payload["engine"]["kv_dtype"] = "fp8"  # a newer Megatron's field
+    payload["topology"] = {"tp": 8}
+    with EngineEventReceiver(engine_id="newer", settings=settings) as rx:
+        sender = RankZero(rx.address)
+        try:
+            sender.send("ready", payload)
+            registration = rx.wait_registered(timeout=10)
+        finally:
+            sender.close()
+        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        assert value["capabilities"]["kv_dtype"] == "fp8"
+        assert value["topology"] == {"tp": 8}
+
+
+def test_a_fixed_event_address_is_bound_and_a_busy_port_is_a_clear_error(
+    settings: Settings,
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    with EngineEventReceiver(address=address, settings=settings, engine_id="fixed") as rx:
+        assert rx.address == address
+        sender = RankZero(address)
+        try:
+            sender.send("ready", megatron_to_dict())
+            rx.wait_registered(timeout=10)
+        finally:
+            sender.close()
+        with pytest.raises(
+            ConfigurationError, match=f"cannot bind .* on {address}: the port is in"
+        ):
+            EngineEventReceiver(address=address, settings=settings).start()
+    for bad in ("127.0.0.1:5557", "tcp://127.0.0.1", "tcp://:5557", "tcp://h:70000"):
+        with pytest.raises(ConfigurationError, match="must be tcp://HOST:PORT"):
+            EngineEventReceiver(address=bad, settings=settings)
+    with pytest.raises(ConfigurationError, match="not both"):
+        EngineEventReceiver(address=address, host="127.0.0.1", settings=settings)
+
+
+# -- hung engines ---------------------------------------------------------------------------
+
+
+def _status(settings: Settings, key: str) -> str | None:
+    kv = get_kv(settings.endpoints, key)
+    return None if kv is None else json.loads(kv["value"])["status"]
+
+
+def test_a_silent_engine_that_sent_progress_is_stalled_then_ready_again(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="discovery")
+    with EngineEventReceiver(engine_id="hung", settings=settings, stall_timeout=1.0) as rx:
+        sender = RankZero(rx.address)
+        try:
+            sender.send("ready", megatron_to_dict())
+            registration = rx.wait_registered(timeout=10)
+            sender.send("progress", {})
+            wait_for(lambda: rx.health().progress == 1, message="the progress frame")
+            silent_from = time.monotonic()
+            wait_for(lambda: _status(settings, registration.key) == "stalled", timeout=5)
+            assert 1.0 <= time.monotonic() - silent_from < 2.0  # within S + 1 s
+            assert rx.state is ReceiverState.STALLED and rx.health().stalls == 1
+            sender.send("progress", {})
+            heard = time.monotonic()
+            wait_for(lambda: _status(settings, registration.key) == "ready", timeout=5)
+            assert time.monotonic() - heard < 1.0
+            assert rx.state is ReceiverState.REGISTERED
+        finally:
+            sender.close()
+    stalls = [r for r in caplog.records if "marking it stalled" in r.getMessage()]
+    assert len(stalls) == 1 and stalls[0].levelno == logging.WARNING
+
+
+def test_an_engine_that_never_sends_progress_is_never_stalled(settings: Settings) -> None:
+    with EngineEventReceiver(engine_id="quiet", settings=settings, stall_timeout=0.5) as rx:
+        sender = RankZero(rx.address)
+        try:
+            sender.send("ready", megatron_to_dict())
+            registration = rx.wait_registered(timeout=10)
+            sender.send("stored", {"block_hashes": [1, 2]})
+            wait_for(lambda: rx.health().silence > 2.0, message="four stall timeouts of silence")
+            assert _status(settings, registration.key) == "ready"
+            assert rx.health().stalls == 0 and rx.state is ReceiverState.REGISTERED
+        finally:
+            sender.close()
+
+
+def test_silence_while_draining_is_no_stall(settings: Settings) -> None:
+    with EngineEventReceiver(engine_id="resting", settings=settings, stall_timeout=1.0) as rx:
+        sender = RankZero(rx.address)
+        try:
+            sender.send("ready", megatron_to_dict())
+            registration = rx.wait_registered(timeout=10)
+            sender.send("progress", {})
+            wait_for(lambda: rx.health().progress == 1, message="the progress frame")
+            drain("resting", settings=settings)  # an operator drains it
+            wait_for(lambda: registration.status is EngineStatus.DRAINING, message="adopted")
+            wait_for(lambda: rx.health().silence > 3.0, message="three stall timeouts")
+            assert _status(settings, registration.key) == "draining"
+            undrain("resting", settings=settings)
+            ready_at = time.monotonic()
+            wait_for(lambda: registration.status is EngineStatus.READY, message="undrained")
+            # Silence counts from the return to ready: a stall one timeout later, not at once.
+            wait_for(lambda: _status(settings, registration.key) == "stalled", timeout=5)
+            assert time.monotonic() - ready_at >= 0.9
+        finally:
+            sender.close()

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from discovery import Settings
+from discovery import EngineStatus, NoEngineAvailableError, Router, Settings, watch_table
 from discovery._launch import check_command
 from discovery.cli import build_parser
 from discovery.stand_in_engine import default_endpoint
@@ -125,8 +126,11 @@ def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all
     launched.watch.wait("standin-0", "added", timeout=60)
     child, guard = launcher.child_pid(), launcher.guard_pid()
     value = json.loads(get_kv(settings.endpoints, launcher.key)["value"])
-    metadata = {k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status")}
+    metadata = {
+        k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status", "state_address")
+    }
     assert value == json.loads(json.dumps(default_endpoint()))  # exactly what it sent
+    assert metadata["state_address"].startswith("tcp://127.0.0.1:")
     assert metadata["engine_id"] == "standin-0" and metadata["labels"] == {"model": "m"}
     assert metadata["status"] == "ready"
     assert os.getpgid(child) == child != os.getpgid(launcher.process.pid)  # its own group
@@ -137,7 +141,10 @@ def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all
     assert _gone(child) and _gone(guard)
     out = launcher.output()
     assert "stand-in engine: SIGTERM, exiting 0" in out  # forwarded to the engine
-    assert "engine events: 5 frames, 1 ready, 4 ignored, 0 malformed, 0 rejected" in out
+    counts = re.search(
+        r"engine events: (\d+) frames, 1 ready, (\d+) kv, (\d+) progress, 0 ignored", out
+    )
+    assert counts and int(counts[2]) >= 4 and int(counts[3]) >= 1, out  # 4 prompts' KV events
     assert launched.watch.kinds("standin-0") == ["added", "removed"]
 
 
@@ -239,7 +246,7 @@ def test_no_valid_ready_within_the_ready_timeout_stops_the_engine(
     out = launcher.output()
     assert "no valid ready message within the ready timeout (3 s); stopping the engine" in out
     if engine == "capabilities-shape":
-        assert "Megatron's engine metadata (capabilities with a role" in out
+        assert "ready payload fits no shape: accepted are flat" in out
         assert "1 rejected" in out
     assert _gone(child)
     assert get_kv(settings.endpoints, launcher.key) is None
@@ -301,3 +308,120 @@ def test_the_readme_megatron_example_is_a_valid_command_line() -> None:
     check_command(command)
     assert command[:2] == ["torchrun", "--nproc-per-node"]
     assert "--dynamo-parent-event-address" in command
+
+
+# -- hung engines under discovery launch --------------------------------------------------
+
+
+def _first(watch: WatchLog, engine_id: str, status: str, after: float) -> float | None:
+    """When ``engine_id``'s first event with ``status`` after ``after`` arrived, if one did."""
+    with watch._cond:
+        return next(
+            (
+                at
+                for at, e in watch.events
+                if e.engine_id == engine_id and e.status.value == status and at >= after
+            ),
+            None,
+        )
+
+
+def _watching_for_stalls(launcher: Launcher) -> None:
+    wait_for(
+        lambda: "watching for stalls" in launcher.output(),
+        timeout=10,
+        message="the launcher's first progress heartbeat",
+    )
+
+
+def test_a_sigstopped_engine_is_stalled_skipped_and_back_after_sigcont(
+    settings: Settings, launched
+) -> None:
+    stall = 2.0
+    launcher = launched("frozen", STAND_IN, "--ttl", "3", "--stall-timeout", str(stall))
+    launched.watch.wait("frozen", "added", timeout=60)
+    child = launcher.child_pid()
+    table = watch_table(settings).start()
+    router = Router(table)
+    try:
+        _watching_for_stalls(launcher)
+        os.kill(child, signal.SIGSTOP)
+        stopped = time.monotonic()
+        stalled_at = wait_for(
+            lambda: _first(launched.watch, "frozen", "stalled", stopped), timeout=stall + 5
+        )
+        assert stalled_at - stopped <= stall + 1.0, stalled_at - stopped
+        # The table applied the change before the event went out: no pick of it from now on.
+        with pytest.raises(NoEngineAvailableError):
+            router.pick([1, 2, 3], 4)
+        assert table.get("frozen").status is EngineStatus.STALLED
+        os.kill(child, signal.SIGCONT)
+        resumed = time.monotonic()
+        ready_at = wait_for(lambda: _first(launched.watch, "frozen", "ready", resumed), timeout=5)
+        assert ready_at - resumed <= 1.0, ready_at - resumed
+        wait_for(lambda: table.get("frozen").status is EngineStatus.READY, message="table")
+        with router.pick([1, 2, 3], 4) as handle:
+            assert handle.engine_id == "frozen"
+    finally:
+        table.stop()
+    assert "marking it stalled" in launcher.output()
+
+
+def test_stall_action_stop_ends_the_engine_and_the_record_at_once(
+    settings: Settings, launched
+) -> None:
+    stall = 1.0
+    launcher = launched(
+        "doomed", STAND_IN, "--ttl", "30", "--stall-timeout", str(stall), "--stall-action", "stop"
+    )
+    launched.watch.wait("doomed", "added", timeout=60)
+    child = launcher.child_pid()
+    _watching_for_stalls(launcher)
+    os.kill(child, signal.SIGSTOP)
+    stopped = time.monotonic()
+    removed_at, _ = launched.watch.wait("doomed", "removed", timeout=10)
+    # Marked within S + 1 s (as above), then the record goes within 1 s of that.
+    assert removed_at - stopped <= stall + 1.0 + 1.0, removed_at - stopped
+    assert launcher.wait() == 124, launcher.output()
+    assert _gone(child)
+    assert get_kv(settings.endpoints, launcher.key) is None
+    out = launcher.output()
+    assert "the stall action is stop" in out and "stand-in engine: SIGTERM" in out
+
+
+def test_an_engine_that_sends_nothing_after_ready_is_never_stalled(
+    settings: Settings, launched
+) -> None:
+    command = [*STAND_IN, "--no-progress"]
+    launcher = launched("old-megatron", command, "--ttl", "3", "--stall-timeout", "0.5")
+    launched.watch.wait("old-megatron", "added", timeout=60)
+    child = launcher.child_pid()
+    os.kill(child, signal.SIGSTOP)
+    try:
+        frozen = time.monotonic()
+        # Eight stall timeouts and more than a TTL pass: the lease lives, the status stays.
+        wait_for(lambda: time.monotonic() - frozen > 4.0, timeout=10, message="4 s frozen")
+        assert launched.watch.kinds("old-megatron") == ["added"]
+        assert json.loads(get_kv(settings.endpoints, launcher.key)["value"])["status"] == "ready"
+        assert "watching for stalls" not in launcher.output()
+    finally:
+        os.kill(child, signal.SIGCONT)
+
+
+def test_a_fixed_event_address_is_bound_and_a_busy_one_refused(
+    settings: Settings, launched
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    launcher = launched("pinned", STAND_IN, "--event-address", address)
+    launched.watch.wait("pinned", "added", timeout=60)
+    assert f"listening for engine events on {address}" in launcher.output()
+    result = run_cli(
+        settings, "launch", "--event-address", address, "--ready-timeout", "5", "--", *STAND_IN
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot bind the engine-event socket on {address}: the port is in use" in (
+        result.stderr
+    )

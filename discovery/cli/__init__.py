@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "{event_address}, register the engine from its ready message, and revoke the record "
         "when it exits. Exit status: the engine's (128 + N when killed by signal N); 0 when "
         "SIGTERM/SIGINT stopped it; 1 no valid ready message in time or registration refused; "
-        "2 bad input; 126/127 COMMAND cannot run / not found.",
+        "2 bad input; 124 the engine stalled and --stall-action is stop; 126/127 COMMAND "
+        "cannot run / not found.",
     )
     add_launch_flags(launch)
     add_registration_flags(launch)

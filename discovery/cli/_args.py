@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from .. import (
     Metrics,
     PrefixCachingCoordinatorPolicy,
     Settings,
+    launch,
 )
 from ._logging import log_level
 
@@ -176,10 +178,43 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """The event socket, the timeouts and the engine command of ``discovery launch``."""
-    parser.add_argument(
+    defaults = inspect.signature(launch).parameters
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--event-host",
-        default="127.0.0.1",
-        help="address to bind the engine-event socket on (routable when rank zero is remote)",
+        help="address to bind the engine-event socket on, a random port (routable when rank "
+        "zero is remote; default 127.0.0.1)",
+    )
+    where.add_argument(
+        "--event-address",
+        metavar="tcp://HOST:PORT",
+        help="bind the engine-event socket on this fixed port instead, for engines another "
+        "launcher starts (Slurm, Kubernetes): pass the same address to the engine",
+    )
+    relay = parser.add_mutually_exclusive_group()
+    relay.add_argument(
+        "--state-address",
+        metavar="tcp://HOST:PORT",
+        help="where to relay the engine's live state (cached blocks, load) to routers "
+        "(default: the event host, a random port; PORT * for a random one)",
+    )
+    relay.add_argument(
+        "--no-state-relay",
+        dest="state_address",
+        action="store_false",
+        help="relay no engine state (routers then estimate it from their own traffic)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        help="seconds of silence after which an engine that sends progress heartbeats is "
+        f"marked stalled (default {defaults['stall_timeout'].default:g}; 0: never)",
+    )
+    parser.add_argument(
+        "--stall-action",
+        default=defaults["stall_action"].default,
+        help="mark: the record is stalled until the engine is heard from again (default); "
+        "stop: deregister, stop the engine and exit 124 so a supervisor restarts it",
     )
     parser.add_argument(
         "--ready-timeout",

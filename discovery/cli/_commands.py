@@ -94,9 +94,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UsageError(str(exc)) from None
     command = args.engine_command
+    given = {"stall_timeout": args.stall_timeout} if args.stall_timeout is not None else {}
     return launch(
         command[1:] if command[:1] == ["--"] else command,
         event_host=args.event_host,
+        event_address=args.event_address,
+        state_address=True if args.state_address is None else args.state_address,
+        stall_action=args.stall_action,
+        **given,
         ready_timeout=args.ready_timeout,
         stop_timeout=args.stop_timeout,
         drain_timeout=args.drain_timeout,

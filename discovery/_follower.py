@@ -1,0 +1,456 @@
+"""A router's view of what its engines report: cached blocks and load, relayed live.
+
+``EngineStates(table)`` follows a ``RoutingTable``: for every engine whose record carries
+a ``state_address`` (its launcher's state relay, ``_relay.py``) it keeps a subscription
+and the engine's current block set and load. What a policy may rely on:
+
+* **Never a ghost.** An engine's state goes when the table removes the engine (or its
+  record stops advertising a relay), in the same table batch's listener call; its
+  subscription closes soon after.
+* **Exact or marked unsynced.** A snapshot replaces the state; each increment must carry
+  the next sequence number of the same epoch. A gap (a frame dropped on the way, a
+  subscriber that fell behind), a new epoch (the launcher restarted) or a tick ahead of
+  what was received marks the state unsynced and asks for a snapshot. ``cached_prefix``
+  answers None for an engine whose state is unsynced or older than ``stale_after``
+  (default 3 heartbeats): the caller falls back to its own estimate.
+* **Age.** ``state(engine_id).age`` is the time since its relay last said anything (it
+  ticks every second); health and metrics carry it.
+
+One thread (``discovery-engine-states``) owns every socket; reads (``cached_prefix``,
+``state``) take no lock: each engine's block set is swapped whole on a snapshot and
+changed by single set operations, which CPython applies atomically. Usable from threads
+and from asyncio (reads never block; ``await_synced`` waits without blocking the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ClosedError
+from ._kvstate import unpack_hashes
+from ._metrics import NO_METRICS, MetricsHooks
+from ._relay import HEARTBEAT
+
+if TYPE_CHECKING:
+    import zmq
+
+    from ._routing import RoutingTable
+    from ._store import Batch, RoutingSnapshot
+
+__all__ = ["EngineState", "EngineStates", "EngineStatesHealth"]
+
+log = logging.getLogger(__name__)
+
+_MAX_FRAME = 64 << 20  # a snapshot of 8 million blocks; beyond that a relay is broken
+_NO_LOAD: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What one engine reports, as this router last heard it."""
+
+    engine_id: str
+    address: str
+    """Its launcher's state relay."""
+    synced: bool
+    """Whether the state holds a snapshot and every increment since (else it is resyncing)."""
+    age: float
+    """Seconds since the relay last said anything (it ticks every second)."""
+    epoch: int
+    seq: int
+    blocks: frozenset[int]
+    """The block hashes the engine caches (Megatron's hash; see ``_blockhash.py``)."""
+    load: Mapping[str, Any]
+    """``in_flight`` (summed over the routers that report), ``routers``, ``engine``."""
+
+
+@dataclass(frozen=True)
+class EngineStatesHealth:
+    """A point-in-time view of an ``EngineStates``."""
+
+    engines: int
+    """Engines with a state relay in the table."""
+    synced: int
+    """Of those, the ones whose state is synced and fresh."""
+    resyncs: Mapping[str, int]
+    """Snapshots asked for, by reason: ``start``, ``gap``, ``epoch``."""
+    oldest: float
+    """The largest age among the engines' states, seconds (0 when none)."""
+    blocks: int
+    """Block hashes held, over every engine."""
+
+
+@dataclass(eq=False)
+class _Follow:
+    """One engine's subscription and state (changed on the follower's thread only)."""
+
+    engine_id: str
+    address: str
+    blocks: set[int] = field(default_factory=set)
+    load: Mapping[str, Any] = field(default_factory=lambda: _NO_LOAD)
+    epoch: int = 0
+    seq: int = 0
+    synced: bool = False
+    heard: float = field(default_factory=time.monotonic)
+    asked: float = 0.0  # when a snapshot was last asked for
+    socket: Any = None
+
+
+class EngineStates:
+    """Follows ``table``'s engines' state relays (see the module docs).
+
+    ``load`` is called once a heartbeat (and must be cheap): this router's in-flight
+    requests per engine id, reported to each engine's relay, which sums the reports of
+    every router. ``metrics`` exports ages, resyncs and blocks. ``start()`` (or ``with``)
+    begins following; ``stop()`` closes every subscription.
+    """
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        *,
+        stale_after: float = 3 * HEARTBEAT,
+        heartbeat: float = HEARTBEAT,
+        load: Callable[[], Mapping[str, int]] | None = None,
+        metrics: MetricsHooks | None = None,
+    ) -> None:
+        self._table = table
+        self.stale_after = stale_after
+        """Seconds without a word from a relay after which its engine's state is stale."""
+        self._heartbeat = heartbeat
+        self._load = load
+        self._metrics = metrics or NO_METRICS
+        self._lock = threading.Lock()
+        self._follows: dict[str, _Follow] = {}  # replaced whole under the lock: reads free
+        self._revision = -1
+        self._resyncs: dict[str, int] = {"start": 0, "gap": 0, "epoch": 0}
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None
+        self._stopping = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self._changed = threading.Condition(self._lock)
+        self._metrics.observe_engine_states(self)
+
+    # -- reads (any thread) ------------------------------------------------------------------
+
+    def cached_prefix(self, engine_id: str, hashes: Iterable[int]) -> int | None:
+        """How many of ``hashes`` (a prompt's leading blocks) the engine caches, in a row.
+
+        None when its state is unknown, unsynced or stale: use your own estimate.
+        """
+        follow = self._follows.get(engine_id)
+        if follow is None or not follow.synced:
+            return None
+        if time.monotonic() - follow.heard > self.stale_after:
+            return None
+        blocks = follow.blocks
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in blocks:
+                break
+            count += 1
+        return count
+
+    def fresh(self, engine_id: str) -> Mapping[str, Any] | None:
+        """The engine's load view if its state is synced and fresh, else None."""
+        follow = self._follows.get(engine_id)
+        if follow is None or not follow.synced:
+            return None
+        if time.monotonic() - follow.heard > self.stale_after:
+            return None
+        return follow.load
+
+    def state(self, engine_id: str) -> EngineState | None:
+        """The engine's state as last heard (a copy), or None if it has no relay."""
+        follow = self._follows.get(engine_id)
+        if follow is None:
+            return None
+        return EngineState(
+            engine_id=engine_id,
+            address=follow.address,
+            synced=follow.synced,
+            age=time.monotonic() - follow.heard,
+            epoch=follow.epoch,
+            seq=follow.seq,
+            blocks=frozenset(follow.blocks),
+            load=follow.load,
+        )
+
+    def __contains__(self, engine_id: object) -> bool:
+        return engine_id in self._follows
+
+    def __len__(self) -> int:
+        return len(self._follows)
+
+    def ages(self) -> dict[str, float]:
+        """Seconds since each followed engine's relay last said anything."""
+        now = time.monotonic()
+        return {engine_id: now - f.heard for engine_id, f in self._follows.items()}
+
+    def health(self) -> EngineStatesHealth:
+        """Engines followed, how many are synced and fresh, resyncs, the oldest state."""
+        now = time.monotonic()
+        follows = list(self._follows.values())
+        with self._lock:
+            resyncs = dict(self._resyncs)
+        return EngineStatesHealth(
+            engines=len(follows),
+            synced=sum(f.synced and now - f.heard <= self.stale_after for f in follows),
+            resyncs=MappingProxyType(resyncs),
+            oldest=max((now - f.heard for f in follows), default=0.0),
+            blocks=sum(len(f.blocks) for f in follows),
+        )
+
+    def wait_synced(
+        self, engine_ids: Sequence[str] | None = None, timeout: float | None = None
+    ) -> None:
+        """Block until every engine in ``engine_ids`` (default: all followed) is synced.
+
+        Raises TimeoutError after ``timeout`` seconds.
+        """
+
+        def done() -> bool:
+            wanted = self._follows.keys() if engine_ids is None else engine_ids
+            return all((f := self._follows.get(e)) is not None and f.synced for e in wanted)
+
+        with self._changed:
+            if not self._changed.wait_for(done, timeout):
+                raise TimeoutError(f"engine states not synced within {timeout} s")
+
+    async def await_synced(
+        self, engine_ids: Sequence[str] | None = None, timeout: float | None = None
+    ) -> None:
+        """``wait_synced`` without blocking the event loop."""
+        await asyncio.to_thread(self.wait_synced, engine_ids, timeout)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> EngineStates:
+        """Follow the table's engines from now on. Idempotent."""
+        with self._lock:
+            if self._stopping:
+                raise ClosedError("engine states are stopped")
+            if self._thread is not None:
+                return self
+            self._wake = os.pipe()
+            os.set_blocking(self._wake[1], False)
+            self._thread = threading.Thread(
+                target=self._run, name="discovery-engine-states", daemon=True
+            )
+            self._thread.start()
+        self._unsubscribe = self._table.subscribe(self._on_table)
+        self._follow(self._table.snapshot())
+        return self
+
+    def stop(self) -> None:
+        """Stop following: every subscription closes, every state goes. Idempotent."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        with self._lock:
+            self._stopping = True
+            self._follows = {}
+            thread, wake = self._thread, self._wake
+        self._poke()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
+        if wake is not None:
+            for fd in wake:
+                os.close(fd)
+            self._wake = None
+
+    def __enter__(self) -> EngineStates:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EngineStates:
+        return self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.stop)
+
+    # -- the table's side ------------------------------------------------------------------
+
+    def _on_table(self, batch: Batch, snapshot: RoutingSnapshot) -> None:
+        self._follow(snapshot)
+
+    def _follow(self, snapshot: RoutingSnapshot) -> None:
+        """Follow exactly the relays ``snapshot``'s engines advertise (newest wins)."""
+        with self._lock:
+            if self._stopping or snapshot.revision < self._revision:
+                return
+            self._revision = snapshot.revision
+            current = self._follows
+            follows: dict[str, _Follow] = {}
+            for engine_id, record in snapshot.items():
+                address = record.state_address
+                if address is None:
+                    continue
+                kept = current.get(engine_id)
+                follows[engine_id] = (
+                    kept
+                    if kept is not None and kept.address == address
+                    else _Follow(engine_id, address)
+                )
+            if follows.keys() == current.keys() and all(follows[e] is current[e] for e in follows):
+                return
+            self._follows = follows  # the removed ones' states go now: no ghost
+            self._changed.notify_all()
+        self._poke()
+
+    def _poke(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(wake[1], b"\0")
+
+    # -- the follower's thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        import msgpack  # noqa: PLC0415
+        import zmq  # noqa: PLC0415
+
+        context = zmq.Context()
+        poller = zmq.Poller()
+        assert self._wake is not None
+        wake = self._wake[0]
+        poller.register(wake, zmq.POLLIN)
+        sockets: dict[Any, _Follow] = {}  # socket -> the follow it serves
+        pack = msgpack.Packer(use_bin_type=True).pack
+        next_beat = 0.0
+        try:
+            while not self._stopping:
+                ready = dict(poller.poll(int(max(0.0, next_beat - time.monotonic()) * 1000)))
+                if wake in ready:
+                    os.read(wake, 65536)
+                self._sync_sockets(context, poller, sockets, pack)
+                for sock, follow in list(sockets.items()):
+                    if sock in ready:
+                        self._receive(sock, follow, pack, msgpack)
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._beat(sockets, pack, now)
+                    next_beat = now + self._heartbeat
+        except Exception:
+            log.exception("engine states: the follower failed; routers fall back to estimates")
+        finally:
+            for sock in sockets:
+                sock.close()
+            context.term()
+
+    def _sync_sockets(
+        self,
+        context: zmq.Context[Any],
+        poller: zmq.Poller,
+        sockets: dict[Any, _Follow],
+        pack: Callable[[Any], bytes],
+    ) -> None:
+        """Open a subscription for every new follow; close the ones no longer followed."""
+        import zmq  # noqa: PLC0415
+
+        follows = self._follows
+        for sock, follow in list(sockets.items()):
+            if follows.get(follow.engine_id) is not follow:
+                poller.unregister(sock)
+                sock.close()
+                del sockets[sock]
+        for follow in follows.values():
+            if follow.socket is None:
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
+                sock.connect(follow.address)
+                follow.socket = sock
+                sockets[sock] = follow
+                poller.register(sock, zmq.POLLIN)
+                self._ask(follow, "start", pack, time.monotonic())
+
+    def _receive(
+        self, sock: zmq.Socket[Any], follow: _Follow, pack: Callable[[Any], bytes], msgpack: Any
+    ) -> None:
+        import zmq  # noqa: PLC0415
+
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = msgpack.unpackb(frame, raw=False)
+                self._apply(follow, message, pack)
+            except Exception as exc:  # a broken relay: its state is no longer known
+                log.warning("engine states: bad frame from %s (%s)", follow.engine_id, exc)
+                follow.synced = False
+
+    def _apply(self, follow: _Follow, message: Any, pack: Callable[[Any], bytes]) -> None:
+        verb, epoch, *rest = message
+        now = follow.heard = time.monotonic()
+        if verb == "hello":
+            seq, blocks, load = rest
+            follow.blocks = set(unpack_hashes(blocks))
+            follow.epoch, follow.seq, follow.load = epoch, seq, MappingProxyType(dict(load))
+            if not follow.synced:
+                follow.synced = True
+                with self._changed:
+                    self._changed.notify_all()
+            return
+        if epoch != follow.epoch:
+            if follow.synced or now - follow.asked > self._heartbeat:
+                self._ask(follow, "epoch", pack, now)
+            return
+        if verb == "kv":
+            seq, kind, blocks = rest
+            if seq <= follow.seq:
+                return  # in the snapshot already
+            if seq != follow.seq + 1 or not follow.synced:
+                if follow.synced or now - follow.asked > self._heartbeat:
+                    self._ask(follow, "gap", pack, now)
+                return
+            follow.seq = seq
+            if kind == "stored":
+                follow.blocks.update(unpack_hashes(blocks))
+            elif kind == "removed":
+                follow.blocks.difference_update(unpack_hashes(blocks))
+            else:
+                follow.blocks.clear()
+        elif verb == "tick":
+            (seq,) = rest
+            if seq > follow.seq and (follow.synced or now - follow.asked > self._heartbeat):
+                self._ask(follow, "gap", pack, now)  # increments were lost on the way
+        elif verb == "load":
+            (load,) = rest
+            follow.load = MappingProxyType(dict(load))
+
+    def _ask(self, follow: _Follow, reason: str, pack: Callable[[Any], bytes], now: float) -> None:
+        """Mark ``follow`` unsynced and ask its relay for a snapshot."""
+        import zmq  # noqa: PLC0415
+
+        follow.synced = False
+        follow.asked = now
+        with self._lock:
+            self._resyncs[reason] += 1
+        self._metrics.engine_state_resync(reason)
+        with contextlib.suppress(zmq.Again):
+            follow.socket.send(pack(["snapshot"]), zmq.NOBLOCK)
+
+    def _beat(self, sockets: dict[Any, _Follow], pack: Callable[[Any], bytes], now: float) -> None:
+        """Every heartbeat: subscribe again (with this router's load); re-ask if unsynced."""
+        import zmq  # noqa: PLC0415
+
+        loads = self._load() if self._load is not None else {}
+        for sock, follow in sockets.items():
+            if not follow.synced and now - follow.asked > self._heartbeat:
+                self._ask(follow, "gap", pack, now)
+            message = ["load", loads.get(follow.engine_id, 0)] if self._load else ["sub"]
+            with contextlib.suppress(zmq.Again):
+                sock.send(pack(message), zmq.NOBLOCK)
