@@ -5,8 +5,9 @@ a ``state_address`` (its launcher's state relay, ``_relay.py``) it keeps a subsc
 and the engine's current block set and load. What a policy may rely on:
 
 * **Never a ghost.** An engine's state goes when the table removes the engine (or its
-  record stops advertising a relay), in the same table batch's listener call; its
-  subscription closes soon after.
+  record stops advertising a relay): in the same step, under the table's own lock, so no
+  snapshot without the engine is ever read beside its state; its subscription closes
+  soon after.
 * **Exact or marked unsynced.** A snapshot replaces the state; each increment must carry
   the next sequence number of the same epoch. A gap (a frame dropped on the way, a
   subscriber that fell behind), a new epoch (the launcher restarted) or a tick ahead of
@@ -39,12 +40,12 @@ from ._errors import ClosedError
 from ._kvstate import unpack_hashes
 from ._metrics import NO_METRICS, MetricsHooks
 from ._relay import HEARTBEAT
+from ._store import Batch, EventType
 
 if TYPE_CHECKING:
     import zmq
 
     from ._routing import RoutingTable
-    from ._store import Batch, RoutingSnapshot
 
 __all__ = ["EngineState", "EngineStates", "EngineStatesHealth"]
 
@@ -89,6 +90,16 @@ class EngineStatesHealth:
     """Block hashes held, over every engine."""
 
 
+class _Sink:
+    """The store's sink that hands each batch to the follower (see ``_store.Sink``)."""
+
+    def __init__(self, follow: Callable[[Batch], None]) -> None:
+        self.deliver = follow
+
+    def close(self) -> None:
+        """The store closed: its engines' states stay until ``stop()``."""
+
+
 @dataclass(eq=False)
 class _Follow:
     """One engine's subscription and state (changed on the follower's thread only)."""
@@ -131,7 +142,6 @@ class EngineStates:
         self._metrics = metrics or NO_METRICS
         self._lock = threading.Lock()
         self._follows: dict[str, _Follow] = {}  # replaced whole under the lock: reads free
-        self._revision = -1
         self._resyncs: dict[str, int] = {"start": 0, "gap": 0, "epoch": 0}
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None
@@ -247,8 +257,9 @@ class EngineStates:
                 target=self._run, name="discovery-engine-states", daemon=True
             )
             self._thread.start()
-        self._unsubscribe = self._table.subscribe(self._on_table)
-        self._follow(self._table.snapshot())
+        # A sink of the table's store: each batch is seen as the store applies it (and the
+        # engines held now first, as one batch), never later than a reader of the table.
+        self._unsubscribe = self._table.store.add_sink(_Sink(self._follow))
         return self
 
     def stop(self) -> None:
@@ -281,30 +292,28 @@ class EngineStates:
 
     # -- the table's side ------------------------------------------------------------------
 
-    def _on_table(self, batch: Batch, snapshot: RoutingSnapshot) -> None:
-        self._follow(snapshot)
-
-    def _follow(self, snapshot: RoutingSnapshot) -> None:
-        """Follow exactly the relays ``snapshot``'s engines advertise (newest wins)."""
+    def _follow(self, batch: Batch) -> None:
+        """Follow the relays the batch's engines advertise now (under the store's lock)."""
         with self._lock:
-            if self._stopping or snapshot.revision < self._revision:
+            if self._stopping:
                 return
-            self._revision = snapshot.revision
-            current = self._follows
-            follows: dict[str, _Follow] = {}
-            for engine_id, record in snapshot.items():
-                address = record.state_address
-                if address is None:
+            follows = self._follows
+            changed = False
+            for event in batch:
+                engine_id = event.engine_id
+                address = None if event.type is EventType.REMOVED else event.record.state_address
+                kept = follows.get(engine_id)
+                if kept is not None and kept.address == address:
                     continue
-                kept = current.get(engine_id)
-                follows[engine_id] = (
-                    kept
-                    if kept is not None and kept.address == address
-                    else _Follow(engine_id, address)
-                )
-            if follows.keys() == current.keys() and all(follows[e] is current[e] for e in follows):
+                if not changed:
+                    follows, changed = dict(follows), True  # readers keep the old dict
+                if address is None:
+                    follows.pop(engine_id, None)  # its state goes now: no ghost
+                else:
+                    follows[engine_id] = _Follow(engine_id, address)
+            if not changed:
                 return
-            self._follows = follows  # the removed ones' states go now: no ghost
+            self._follows = follows
             self._changed.notify_all()
         self._poke()
 
