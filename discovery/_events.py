@@ -18,6 +18,14 @@ What the receiver does with each frame, each outcome counted in ``health()`` and
 - ``rejected``: a ready payload that fails validation; logged naming the shape received
   (an endpoint, Megatron's capabilities-with-a-role metadata, or neither). Nothing is written.
 
+Pause, suspend and resume: Megatron's dynamic engine can be paused or suspended (for a
+weight update, or to free memory for training) and resumed, but no public Megatron code
+sends an event for that to this socket (it tells its own coordinator and clients, not the
+parent). So there is nothing to map to the record's ``paused`` status here: such a frame
+would be ``ignored`` like any other kind. A rollout framework that pauses the engine marks
+it through the API instead (``Registration.pause()`` / ``resume()`` on the receiver's
+``registration``, or ``discovery pause`` / ``resume`` from outside).
+
 A ``"role"`` key in a ready payload goes into the ``role`` label (it wins over a ``role``
 label given to the receiver, with a warning). When the first registration is refused
 (conflict, permission, etcd unavailable past the dial timeout) the receiver is ``failed``
@@ -41,7 +49,12 @@ from ._dispatch import Dispatcher, Listeners
 from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint
 from ._errors import ClosedError, ConfigurationError, DiscoveryError, InvalidRecordError
 from ._metrics import NO_METRICS, MetricsHooks
-from ._record import EngineRecord, validate_engine_id, validate_labels
+from ._record import (
+    EngineRecord,
+    validate_engine_id,
+    validate_labels,
+    validate_weight_version,
+)
 from ._registration import Registration, default_engine_id, register_engine
 from ._session import check_ttl
 
@@ -159,6 +172,7 @@ class EngineEventReceiver:
         engine_id: str | None = None,
         ttl: float = 10.0,
         labels: Mapping[str, str] | None = None,
+        weight_version: int | None = None,
         settings: Settings | None = None,
         connection: EtcdPort | None = None,
         replace: bool = False,
@@ -167,6 +181,7 @@ class EngineEventReceiver:
         self.require_libraries()
         self.engine_id = default_engine_id() if engine_id is None else validate_engine_id(engine_id)
         self._labels = dict(validate_labels(labels))
+        self._weight_version = validate_weight_version(weight_version)
         self._ttl = check_ttl(ttl)
         self._host = host
         self._settings = settings
@@ -435,6 +450,7 @@ class EngineEventReceiver:
                 engine_id=self.engine_id,
                 ttl=self._ttl,
                 labels=record.labels,
+                weight_version=self._weight_version,
                 settings=self._settings,
                 connection=self._connection,
                 replace=self._replace,
