@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import threading
 from typing import Any
 
@@ -41,6 +42,7 @@ from discovery.cli._commands import format_event
 
 from .helpers import Registrar, etcdctl, get_kv, make_endpoint, raw_call, run_cli, wait_for
 from .test_endpoint import megatron_from_dict
+from .test_launch import STAND_IN, Launcher
 
 READY, PAUSED = EngineStatus.READY, EngineStatus.PAUSED
 
@@ -286,6 +288,28 @@ def test_pause_leaves_a_draining_engine_and_resume_a_starting_one(settings: Sett
         assert resume("warming", 3, settings=settings).weight_version == 3
         assert pause("nobody", settings=settings) is None
         assert resume("nobody", settings=settings) is None
+
+
+def test_a_launched_engine_registers_on_its_weight_version_and_pauses_from_outside(
+    settings: Settings,
+) -> None:
+    """``discovery launch --weight-version``: Megatron sends no pause event, so a rollout
+    framework pauses the launched engine through ``discovery pause``; the launcher's
+    registrar adopts it."""
+    launcher = Launcher(settings, "launched", STAND_IN, "--weight-version", "5", "--ttl", "5")
+    try:
+        kv = wait_for(lambda: get_kv(settings.endpoints, launcher.key), 60, "the ready engine")
+        assert json.loads(kv["value"])["weight_version"] == 5
+        assert run_cli(settings, "pause", "launched").stdout.strip() == (
+            "engine 'launched' is paused v5"
+        )
+        wait_for(lambda: "status ready -> paused, changed from outside" in launcher.output(),
+                 message="the launcher's registrar to adopt the pause")  # fmt: skip
+        launcher.process.send_signal(signal.SIGTERM)
+        assert launcher.wait() == 0, launcher.output()
+        assert get_kv(settings.endpoints, launcher.key) is None
+    finally:
+        launcher.stop()
 
 
 # -- the engine's own calls ------------------------------------------------------------------
