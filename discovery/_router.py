@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from ._errors import NoEngineAvailableError
 from ._fencing import (
@@ -235,7 +235,7 @@ class Router:
         max_fenced_share: float = DEFAULT_MAX_FENCED_SHARE,
         clock: Callable[[], float] = time.monotonic,
         metrics: MetricsHooks | None = None,
-        weight_version: str | None = None,
+        weight_version: Literal["latest"] | None = None,
         min_weight_version: int | None = None,
         max_version_lag: int | None = None,
     ) -> None:
@@ -290,7 +290,7 @@ class Router:
         max_tokens: int,
         *,
         selector: Mapping[str, str] | None = None,
-        weight_version: str | None = None,
+        weight_version: Literal["latest"] | None = None,
         min_weight_version: int | None = None,
         max_version_lag: int | None = None,
     ) -> PickHandle:
