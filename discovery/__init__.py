@@ -27,7 +27,7 @@ from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
 from ._follower import EngineState, EngineStates, EngineStatesHealth
 from ._launch import launch
 from ._metrics import Metrics, MetricsHooks
-from ._operators import deregister, drain, undrain
+from ._operators import deregister, drain, pause, resume, undrain
 from ._policies import (
     Candidate,
     Choice,
@@ -133,8 +133,10 @@ __all__ = [
     "drain_and_close",
     "launch",
     "list_engines",
+    "pause",
     "register_dynamic_engine",
     "register_engine",
+    "resume",
     "undrain",
     "watch_table",
 ]

@@ -34,6 +34,14 @@ silence while the record is not ``ready`` (draining, paused, starting) is no sta
 silence is counted from when it became ``ready`` again. A status change never overrides one
 made meanwhile from outside (an operator's drain wins).
 
+Pause, suspend and resume: Megatron's dynamic engine can be paused or suspended (for a
+weight update, or to free memory for training) and resumed, but no public Megatron code
+sends an event for that to this socket (it tells its own coordinator and clients, not the
+parent). So there is nothing to map to the record's ``paused`` status here: such a frame
+would be ``ignored`` like any other kind. A rollout framework that pauses the engine marks
+it through the API instead (``Registration.pause()`` / ``resume()`` on the receiver's
+``registration``, or ``discovery pause`` / ``resume`` from outside).
+
 When the first registration is refused (conflict, permission, etcd unavailable past the
 dial timeout) the receiver is ``failed`` and registers nothing more.
 """
@@ -62,6 +70,7 @@ from ._record import (
     endpoint_from_dict,
     validate_engine_id,
     validate_labels,
+    validate_weight_version,
 )
 from ._registration import Registration, default_engine_id, register_record
 from ._relay import StateRelay, bind_socket
@@ -253,6 +262,7 @@ class EngineEventReceiver:
         engine_id: str | None = None,
         ttl: float = 10.0,
         labels: Mapping[str, str] | None = None,
+        weight_version: int | None = None,
         settings: Settings | None = None,
         connection: EtcdPort | None = None,
         replace: bool = False,
@@ -263,6 +273,7 @@ class EngineEventReceiver:
             raise ConfigurationError("give host (a random port) or address (a fixed one), not both")
         self.engine_id = default_engine_id() if engine_id is None else validate_engine_id(engine_id)
         self._labels = dict(validate_labels(labels))
+        self._weight_version = validate_weight_version(weight_version)
         self._ttl = check_ttl(ttl)
         host = host or "127.0.0.1"
         self._bind = parse_address(address, "event address") if address else f"tcp://{host}:*"
@@ -555,6 +566,7 @@ class EngineEventReceiver:
                 self._labels_with(message.role),
                 extra=message.extra,
                 extra_capabilities=message.extra_capabilities,
+                weight_version=self._weight_version,
                 state_address=(
                     None
                     if self._relay is None or self._relay.address is None

@@ -8,7 +8,11 @@ no ``Metrics`` they use ``NO_METRICS``, whose hooks do nothing.
 
 Names follow Prometheus conventions: ``discovery_`` prefix, ``_total`` counters, seconds.
 Labels stay bounded: ``engine_id`` (engines this process registers or routes to),
-``prefix`` (watched prefixes), small enums (``state``, ``type``, ``cause``, ``policy``).
+``prefix`` (watched prefixes), small enums (``state``, ``status``, ``type``, ``cause``,
+``policy``), and ``weight_version``: per table, only the ``MAX_VERSION_LABELS`` highest
+versions present get a value of their own; lower ones count as ``older`` and engines
+without a version as ``none`` (so at most ``MAX_VERSION_LABELS + 2`` values per table, and
+a version's series go once no engine carries it).
 Gauges that describe live objects are read at scrape time, so hot paths pay nothing.
 """
 
@@ -18,7 +22,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._record import EngineStatus
@@ -30,6 +34,8 @@ __all__ = ["NO_METRICS", "Metrics", "MetricsHooks"]
 
 _REGISTRATION_STATES = ("registering", "registered", "lost", "closed")
 _STATUSES = tuple(status.value for status in EngineStatus)
+MAX_VERSION_LABELS = 4
+"""Weight versions per table with a label value of their own (the highest ones present)."""
 
 
 class MetricsHooks(Protocol):
@@ -179,7 +185,7 @@ class Metrics(MetricsHooks):
         self._status = gauge(
             "discovery_registration_status",
             "1 for the current status of each registration's record (starting, ready, "
-            "draining), else 0.",
+            "draining, paused), else 0.",
             ("engine_id", "status"),
         )
         self._grants = counter("discovery_lease_grants_total", "Leases granted for registrations.")
@@ -439,6 +445,7 @@ class _LiveCollector:
             for status in _STATUSES:
                 engines.add_metric([selector, status], counts[status])
         yield engines
+        yield _by_version(list(metrics._tables))
         in_flight = GaugeMetricFamily(
             "discovery_router_in_flight",
             "Unreleased pick handles per engine.",
@@ -488,6 +495,43 @@ def _engine_states(followers: list[Any]) -> Iterator[Any]:
         "Cached block hashes the routers hold, over every engine.",
         value=blocks,
     )
+
+
+def _version_label(version: int | None, kept: Collection[int]) -> str:
+    if version is None:
+        return "none"
+    return str(version) if version in kept else "older"
+
+
+def _by_version(tables: list[Any]) -> Any:
+    """Engines per table by (status, weight version), the version label bounded."""
+    from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+
+    family = GaugeMetricFamily(
+        "discovery_routing_engines_by_version",
+        "Engines in the routing table by status and weight version: the "
+        f"{MAX_VERSION_LABELS} highest versions present, lower ones as 'older', engines "
+        "without one as 'none'.",
+        labels=["selector", "status", "weight_version"],
+    )
+    for table in tables:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(table.selector.items()))
+        records = list(table.snapshot().values())
+        present = {r.weight_version for r in records if r.weight_version is not None}
+        kept = set(sorted(present)[-MAX_VERSION_LABELS:])
+        counts = Counter(
+            (record.status.value, _version_label(record.weight_version, kept)) for record in records
+        )
+        labels = sorted({label for _, label in counts}, key=_label_order)
+        for label in labels:
+            for status in _STATUSES:
+                family.add_metric([selector, status, label], counts[status, label])
+    return family
+
+
+def _label_order(label: str) -> tuple[int, int]:
+    """``none``, ``older``, then the versions in order."""
+    return (2, int(label)) if label.isdigit() else (0 if label == "none" else 1, 0)
 
 
 def _staleness(watchers: list[Any]) -> Iterator[Any]:

@@ -1,10 +1,13 @@
 """What an operator does to a live engine from outside its process.
 
-``drain`` / ``undrain`` rewrite the record's ``status`` in place: on the same lease, with
-a compare on the revision they read (a concurrent change is read again, never
-overwritten). The engine's registrar sees the change on its own watch, adopts it, never
-writes it back, and revokes at the drain deadline. ``deregister`` removes the record:
-it revokes the lease when the lease holds only that key, and deletes the key alone when
+``drain`` / ``undrain`` / ``pause`` / ``resume`` rewrite the record's ``status`` (and
+``resume`` its ``weight_version``) in place: on the same lease, with a compare on the
+revision they read (a concurrent change is read again, never overwritten; the version
+rule, never lowered without ``force``, is checked against that same read). The engine's
+registrar sees the change on its own watch, adopts it, never writes it back (also when it
+writes the record again after a lost lease), and revokes at the drain deadline.
+``deregister`` removes the record: it revokes the lease when the lease holds only that
+key, and deletes the key alone when
 other engines share the lease (a ``Session``), so that one operator action never takes
 down a whole session. A live registrar writes a deregistered record again (that is its
 self-healing): stop the engine to remove it for good, or drain it.
@@ -19,11 +22,17 @@ from functools import partial
 
 from ._codec import encode
 from ._port import EtcdPort
-from ._record import EngineRecord, EngineStatus, drain_deadline_after
+from ._record import (
+    EngineRecord,
+    EngineStatus,
+    check_version_order,
+    drain_deadline_after,
+    validate_weight_version,
+)
 from ._settings import Settings
 from ._transport import keyspace_for, port_for
 
-__all__ = ["deregister", "drain", "undrain"]
+__all__ = ["deregister", "drain", "pause", "resume", "undrain"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +117,62 @@ def undrain(
     )
 
 
+def pause(
+    engine_id: str,
+    settings: Settings | None = None,
+    *,
+    connection: EtcdPort | None = None,
+) -> EngineRecord | None:
+    """Mark a live engine ``paused``: routers stop picking it; it keeps its lease and id.
+
+    For a weight update (a trainer's refit) or memory suspended for training; requests
+    already picked finish. A ``ready`` or ``starting`` engine is paused; a ``draining`` one
+    is left as it is (it takes nothing new already, and leaves at its deadline). Returns
+    the record as it is now, or None when no such engine is registered.
+    """
+    return _rewrite(
+        engine_id,
+        lambda record: (
+            replace(record, status=EngineStatus.PAUSED)
+            if record.status in (EngineStatus.READY, EngineStatus.STARTING)
+            else record
+        ),
+        settings,
+        connection,
+    )
+
+
+def resume(
+    engine_id: str,
+    weight_version: int | None = None,
+    settings: Settings | None = None,
+    *,
+    force: bool = False,
+    connection: EtcdPort | None = None,
+) -> EngineRecord | None:
+    """Put a ``paused`` engine back to ``ready``, on ``weight_version`` if given: one write.
+
+    A refit is ``pause(engine_id)``, the new weights loaded, then ``resume(engine_id,
+    new_version)``: no reader ever sees the engine ready on the old version after that.
+    A ``ready`` engine takes the version (also one write); a ``starting`` or ``draining``
+    one is left as it is. A version lower than the stored one raises InvalidRecordError
+    naming both, unless ``force`` (a rollback); the check is made on the value the
+    compare-and-swap compares, so a concurrent higher version is never overwritten.
+    Returns the record as it is now, or None when no such engine is registered.
+    """
+    version = validate_weight_version(weight_version)
+
+    def change(record: EngineRecord) -> EngineRecord:
+        if record.status not in (EngineStatus.PAUSED, EngineStatus.READY):
+            return record
+        if version is None:
+            return replace(record, status=EngineStatus.READY)
+        check_version_order(record.weight_version, version, force=force)
+        return replace(record, status=EngineStatus.READY, weight_version=version)
+
+    return _rewrite(engine_id, change, settings, connection)
+
+
 def _rewrite(
     engine_id: str,
     change: Callable[[EngineRecord], EngineRecord],
@@ -131,6 +196,13 @@ def _rewrite(
             )
             result = conn.call(write)
             if result.succeeded:
-                log.info("%s: status %s -> %s", engine_id, record.status, new.status)
+                log.info(
+                    "%s: status %s -> %s, weight_version %s -> %s",
+                    engine_id,
+                    record.status,
+                    new.status,
+                    record.weight_version,
+                    new.weight_version,
+                )
                 return new
             # Changed between the read and the write (its registrar, another operator).

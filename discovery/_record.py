@@ -102,6 +102,9 @@ class EngineStatus(enum.StrEnum):
     """Finishing the requests it has, taking no new ones; leaves at ``drain_deadline``."""
     STALLED = "stalled"
     """Silent past its launcher's stall timeout (hung, frozen): no new requests until heard."""
+    PAUSED = "paused"
+    """Up, keeping its lease and id, taking no new requests for now (weights being updated,
+    memory suspended for training); ``ready`` again when resumed."""
 
 
 def validate_status(status: object) -> EngineStatus:
@@ -111,6 +114,39 @@ def validate_status(status: object) -> EngineStatus:
     except ValueError:
         names = ", ".join(s.value for s in EngineStatus)
         raise InvalidRecordError(f"status {status!r} is not one of {names}") from None
+
+
+MAX_WEIGHT_VERSION = 2**63 - 1
+"""The largest ``weight_version`` (a signed 64-bit integer, for readers in other languages)."""
+
+
+def validate_weight_version(value: object) -> int | None:
+    """Return ``value`` if it is None or an integer from 0 to 2**63 - 1, else raise."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 0 <= value <= MAX_WEIGHT_VERSION
+    ):
+        raise InvalidRecordError(
+            f"weight_version must be an integer from 0 to 2**63 - 1, not {value!r}"
+        )
+    return value
+
+
+def check_version_order(stored: int | None, new: int | None, *, force: bool) -> None:
+    """Refuse (InvalidRecordError) a write of ``new`` over ``stored`` that lowers it.
+
+    None counts as older than every version: removing a version lowers it too. ``force``
+    allows it (a rollback).
+    """
+    if force or stored is None or (new is not None and new >= stored):
+        return
+    raise InvalidRecordError(
+        f"weight_version would go backwards from {stored} (stored) to {new}: "
+        "give force=True (--force) to roll back"
+    )
 
 
 def drain_deadline_after(timeout: object) -> datetime:
@@ -159,13 +195,17 @@ _STATUSES: dict[object, EngineStatus] = {
 
 
 def _load_status(value: object) -> EngineStatus:
+    """A stored status: a lookup (it is the value of every record), else the named refusal."""
     try:
-        return _STATUSES[value]  # a lookup: the status of every record decoded
-    except (KeyError, TypeError):  # TypeError: unhashable, a list say
+        return _STATUSES[value]
+    except (KeyError, TypeError):  # TypeError: a JSON list or object is no key
         return validate_status(value)
 
 
 STATUS = Form(str | None, _load_status, str, validate_status)
+
+
+WEIGHT_VERSION = Form(int | None, validate_weight_version, int, validate_weight_version)
 
 
 def _time(name: str, *, aware: bool) -> Form:
@@ -230,6 +270,10 @@ def _status_cell(record: EngineRecord) -> str:
     return f"{record.status}{until}"
 
 
+def _version_cell(record: EngineRecord) -> str:
+    return "-" if record.weight_version is None else f"v{record.weight_version}"
+
+
 def _labels_cell(record: EngineRecord) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(record.labels.items())) or "-"
 
@@ -239,7 +283,7 @@ def _labels_cell(record: EngineRecord) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EngineRecord:
-    """One engine as stored in etcd: id, endpoint, labels, registration time and status.
+    """One engine as stored in etcd: id, endpoint, labels, registration time, status, version.
 
     ``drain_deadline`` (UTC) is when a ``draining`` engine leaves; None means it drains
     until someone undrains or removes it. Only a draining record may carry one.
@@ -266,8 +310,8 @@ class EngineRecord:
         EngineStatus.READY,
         form=STATUS,
         json="string",
-        doc="`starting`, `ready`, `draining` or `stalled` (silent past its launcher's stall "
-        "timeout): routers pick `ready` engines; absent means `ready`",
+        doc="`starting`, `ready`, `draining`, `paused` or `stalled` (silent past its "
+        "launcher's stall timeout): routers pick `ready` engines; absent means `ready`",
         always=True,
         adopt=True,
         column=Column("STATUS", _status_cell, lead=True),
@@ -277,6 +321,14 @@ class EngineRecord:
         json="ISO 8601 string",
         doc="when a `draining` engine's lease is revoked (UTC); only on a draining record",
         adopt=True,
+    )
+    weight_version: int | None = _stored(
+        form=WEIGHT_VERSION,
+        json="integer",
+        doc="the version of the weights the engine serves (0 to 2**63 - 1, never lowered "
+        "without `force`); absent means none was set",
+        adopt=True,
+        column=Column("VERSION", _version_cell, lead=True),
     )
     state_address: str | None = _stored(
         form=Form(str | None, _checked_address, str, _checked_address),
@@ -492,8 +544,13 @@ class RecordView:
 
     @property
     def status(self) -> EngineStatus:
-        """The engine's status: starting, ready or draining."""
+        """The engine's status (``EngineStatus``): what routers may do with it."""
         return self.record.status
+
+    @property
+    def weight_version(self) -> int | None:
+        """The version of the weights the engine serves, or None when it set none."""
+        return self.record.weight_version
 
 
 def write_field_table(path: str) -> None:

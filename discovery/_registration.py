@@ -13,14 +13,20 @@ below says and nothing else::
          │                       └──────────── written again ◀────────┘
          └─ any state ──close (or a drain's deadline)──▶ closed
 
-Draining is not a state of the registration but the ``status`` of its record
-(``EngineStatus``: starting / ready / draining): it is what routers read, it survives a
-lost and regained lease (the record is written again with the status it had), and an
-operator can change it from outside (``discovery drain`` / ``undrain``). The registrar
-adopts such a change and never writes it back on its own; only the engine's own explicit
-``set_status`` / ``drain`` / ``update`` calls write a status, and each write is a compare
-on the revision the registrar last saw, so an outside change it has not seen is never
-overwritten (it is read, adopted, and the caller's own change applied on top).
+Draining and pausing are not states of the registration but the ``status`` of its record
+(``EngineStatus``: starting / ready / draining / paused): it is what routers read, it
+survives a lost and regained lease (the record is written again with the status it had),
+and an operator can change it from outside (``discovery drain`` / ``undrain`` / ``pause``
+/ ``resume``). The same holds for the record's ``weight_version``, which a status change
+can set in the same write. The registrar adopts such a change and never writes it back
+on its own; only the engine's own explicit ``set_status`` / ``pause`` / ``resume`` /
+``drain`` / ``update`` calls write them, and each write is a compare on the revision the
+registrar last saw, so an outside change it has not seen is never overwritten (it is
+read, adopted, and the fields the caller set explicitly applied on top). A
+``weight_version`` is never lowered without ``force``: the check runs against the stored
+value the compare is made on, so an outside write of a higher version that the registrar
+had not seen refuses the engine's lower one (``InvalidRecordError``; the stored record is
+adopted).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 from ._codec import KeySpace, encode
@@ -48,6 +55,7 @@ from ._errors import (
     ConfigurationError,
     DiscoveryError,
     EngineConflictError,
+    InvalidRecordError,
     RecordDecodeError,
 )
 from ._lease import LeaseKeeper
@@ -57,10 +65,12 @@ from ._record import (
     EndpointLike,
     EngineRecord,
     EngineStatus,
+    check_version_order,
     drain_deadline_after,
     endpoint_parts,
     validate_engine_id,
     validate_status,
+    validate_weight_version,
 )
 from ._recordwatch import RecordWatch, record_watch_for
 from ._session import Session, check_ttl
@@ -80,6 +90,7 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_TTL = 10.0
 _PUBLISH_ATTEMPTS = 8  # outside changes racing one publish: give up (and retry later)
+_NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
 class RegistrationState(enum.StrEnum):
@@ -129,6 +140,8 @@ class RegistrationHealth:
     last_keepalive: datetime | None
     status: EngineStatus = EngineStatus.READY
     """The record's status (the registrar's view: its own writes and adopted changes)."""
+    weight_version: int | None = None
+    """The record's weight version (the same view), None when none was set."""
 
 
 _process_nonce = f"{random.getrandbits(24):06x}"
@@ -180,7 +193,14 @@ class Registration:
         self._lease_id: int | None = None  # the lease our record is on
         self._mod_revision = 0  # the revision of the record as we last wrote or saw it
         self._dirty = False  # a change not yet published
-        self._own_status = False  # ...and it is a status the engine's code set
+        # ...and the owned-from-outside fields (status, drain_deadline, weight_version) the
+        # engine's code set explicitly in it: they go on top of an outside change.
+        self._pending: Mapping[str, Any] = _NOTHING
+        self._forced = False  # the pending weight_version may lower the stored one
+        self._changes = 0  # _change calls so far; the pending ones are _pending_from and on
+        self._pending_from = 0
+        self._refused: tuple[int, int, InvalidRecordError] | None = None
+        self._prepared_from: EngineRecord | None = None  # what _prepare_write last stamped
         self._retry_at = 0.0  # a conflicting id is tried again at this time
         self._listeners: Listeners[Callable[[RegistrationState], None]] = Listeners()
         self._registrations = 0
@@ -208,8 +228,13 @@ class Registration:
 
     @property
     def status(self) -> EngineStatus:
-        """The record's status: starting, ready or draining (also when set from outside)."""
+        """The record's status (``EngineStatus``), also when set from outside."""
         return self._record.status
+
+    @property
+    def weight_version(self) -> int | None:
+        """The record's weight version (also when set from outside); None when unset."""
+        return self._record.weight_version
 
     @property
     def session(self) -> Session:
@@ -239,6 +264,7 @@ class Registration:
                 last_error=self._last_error,
                 last_keepalive=self._session.last_keepalive,
                 status=self._record.status,
+                weight_version=self._record.weight_version,
             )
 
     def subscribe(self, callback: Callable[[RegistrationState], None]) -> Callable[[], None]:
@@ -287,16 +313,45 @@ class Registration:
                 extra_capabilities=extra_capabilities or record.extra_capabilities,
             )
 
-        self._change(change, status=False)
+        self._change(change)
 
-    def set_status(self, status: EngineStatus | str) -> None:
-        """Publish a new status (``starting``, ``ready``, ``draining`` without deadline).
+    def set_status(
+        self,
+        status: EngineStatus | str,
+        *,
+        weight_version: int | None = None,
+        force: bool = False,
+    ) -> None:
+        """Publish a new status and, if given, a new ``weight_version``, in one atomic write.
 
+        ``status``: ``starting``, ``ready``, ``paused``, or ``draining`` without deadline.
         An explicit call of the engine's code: it overrides an operator's earlier change.
-        Leaving ``draining`` cancels a pending drain deadline. Raises like ``update()``.
+        Leaving ``draining`` cancels a pending drain deadline. ``weight_version`` None
+        keeps the record's version. A version lower than the stored one (or than one an
+        outside writer stored meanwhile) raises InvalidRecordError naming both, unless
+        ``force``. Raises like ``update()`` otherwise.
         """
-        new = validate_status(status)
-        self._change(lambda record: replace(record, status=new, drain_deadline=None))
+        own: dict[str, Any] = {"status": validate_status(status), "drain_deadline": None}
+        if weight_version is not None:
+            own["weight_version"] = validate_weight_version(weight_version)
+        self._change(lambda record: replace(record, **own), own=own, force=force)
+
+    def pause(self) -> None:
+        """Mark the record ``paused``: routers stop picking the engine, which keeps its lease.
+
+        For a weight update or memory suspended for training; requests already picked
+        keep their engine. ``resume()`` makes it ``ready`` again. Raises like ``update()``.
+        """
+        self.set_status(EngineStatus.PAUSED)
+
+    def resume(self, weight_version: int | None = None, *, force: bool = False) -> None:
+        """Mark the record ``ready`` again, on ``weight_version`` if given, in one write.
+
+        A refit is ``pause()``, the new weights loaded, then ``resume(new_version)``: no
+        reader ever sees the engine ready with the old version after the new one was
+        announced. Raises like ``set_status()``.
+        """
+        self.set_status(EngineStatus.READY, weight_version=weight_version, force=force)
 
     def switch_status(self, before: EngineStatus, after: EngineStatus) -> bool:
         """Publish ``after`` only if the status is ``before``; whether it was.
@@ -311,7 +366,7 @@ class Registration:
             switched = record.status is before
             return replace(record, status=after) if switched else record
 
-        self._change(change, status=False)
+        self._change(change)  # no field of its own: an outside change met wins
         return switched
 
     def drain(self, timeout: float) -> None:
@@ -322,30 +377,42 @@ class Registration:
         at ``close()`` if that comes first. ``timeout`` 0 closes at once. Raises like
         ``update()``; the deadline holds either way.
         """
-        deadline = drain_deadline_after(timeout)
+        own: dict[str, Any] = {
+            "status": EngineStatus.DRAINING,
+            "drain_deadline": drain_deadline_after(timeout),
+        }
         try:
-            self._change(
-                lambda record: replace(
-                    record, status=EngineStatus.DRAINING, drain_deadline=deadline
-                )
-            )
+            self._change(lambda record: replace(record, **own), own=own)
         finally:
             if not timeout:
                 self.close()
 
     def _change(
-        self, change: Callable[[EngineRecord], EngineRecord], *, status: bool = True
+        self,
+        change: Callable[[EngineRecord], EngineRecord],
+        *,
+        own: Mapping[str, Any] = _NOTHING,
+        force: bool = False,
     ) -> None:
+        """Apply ``change`` and publish it; ``own``: the owned fields it sets explicitly."""
         with self._lock:
             if self._state is RegistrationState.CLOSED:
                 raise ClosedError(f"registration {self.engine_id!r} is closed")
             record = change(self._record)
             if record is self._record:
                 return  # nothing to change
+            if "weight_version" in own:
+                check_version_order(self._record.weight_version, record.weight_version, force=force)
             encode(record)  # refuses a bad or oversized record before anything changes
             self._record = record
             self._dirty = True
-            self._own_status = self._own_status or status
+            self._changes += 1
+            mine = self._changes
+            if own:
+                if not self._pending:
+                    self._pending_from = mine
+                self._pending = MappingProxyType({**self._pending, **own})
+                self._forced = self._forced or force
             registered = self._state is RegistrationState.REGISTERED
         self._status_changed()
         if registered:
@@ -354,6 +421,16 @@ class Registration:
             except DiscoveryError:
                 self._session._publish_later(self)
                 raise
+            with self._lock:
+                refused = self._refused
+            if refused is not None and refused[0] <= mine <= refused[1]:
+                raise refused[2]
+
+    def _published(self) -> None:
+        """What was pending is in etcd now (call under the lock)."""
+        self._dirty = False
+        self._pending = _NOTHING
+        self._forced = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -386,7 +463,7 @@ class Registration:
         with self._lock:
             self._lease_id = lease_id
             self._mod_revision = revision
-            self._dirty = self._own_status = False
+            self._published()
             self._registrations += 1
         self._fire(_Event.WRITTEN)
 
@@ -533,7 +610,7 @@ class Registration:
                 with self._lock:
                     self._mod_revision = max(self._mod_revision, result.revision)
                     if self._record is record:
-                        self._dirty = self._own_status = False
+                        self._published()
                 return
             found = result.previous
             if found is None or found.lease != lease_id:
@@ -557,6 +634,7 @@ class Registration:
         with self._lock:
             if self._state is RegistrationState.CLOSED:
                 return None
+            self._prepared_from = self._record
             record = _stamped(self._record)
         return record, encode(record)
 
@@ -574,8 +652,15 @@ class Registration:
                 log.warning("%s: cannot register again: %s", self.engine_id, conflict)
                 return False
             if found.lease != lease_id:  # our old lease, not yet gone: take the key over
+                # keeping what an outside writer changed on it meanwhile (an operator's
+                # pause, a trainer's version), as any outside change
+                self._adopt(found)
+                prepared = self._prepare_write()
+                if prepared is None:
+                    return False
+                record, value = prepared
                 taken = self._conn.update(
-                    self.key, encode(record), lease_id, mod_revision=found.mod_revision
+                    self.key, value, lease_id, mod_revision=found.mod_revision
                 )
                 if not taken.succeeded:
                     return False
@@ -586,9 +671,12 @@ class Registration:
             self._lease_id = lease_id
             self._retry_at = 0.0
             if found is None:  # written: the record is ours as we wrote it
-                self._record = record
                 self._mod_revision = result.revision
-                self._dirty = self._own_status = False
+                if self._record is self._prepared_from:
+                    self._record = record
+                    self._published()
+                else:  # changed since it was prepared: published next (below)
+                    self._record = replace(self._record, registered_at=record.registered_at)
             if new_lease:
                 self._registrations += 1
         if found is not None and self._adopt(found):  # it was there all along
@@ -632,8 +720,10 @@ class Registration:
         """Take an outside change of our key; whether ours must be written over it.
 
         Takes its revision, the keys this version does not know, and the fields outside
-        writers own (its status) unless the engine's code has just set its own status
-        (which then goes on top).
+        writers own (status, drain deadline, weight version), except those the engine's
+        code has just set itself (they go on top). A pending weight version lower than
+        the one found is refused (unless forced): the engine's whole pending status
+        change is dropped and what was found is kept.
         """
         try:
             found = self._keyspace.decode(kv.key, kv.value)
@@ -642,29 +732,48 @@ class Registration:
                 "%s: an outside write broke the record (%s); writing ours", self.engine_id, exc
             )
             found = None
+        refused = None
         with self._lock:
             if kv.mod_revision <= self._mod_revision:
                 return False
             self._mod_revision = kv.mod_revision
-            adopted = found is not None and not self._own_status
-            before = self._record.status
-            if found is not None:
-                self._record = self._record.adopting(found, fields=adopted)
-            if not adopted:
+            if found is None:
                 self._dirty = True
-        if adopted:
-            if self._record.status is not before:
-                log.info(
-                    "%s: status %s -> %s, changed from outside%s",
-                    self.engine_id,
-                    before,
-                    self._record.status,
-                    f" (until {self._record.drain_deadline:%H:%M:%S} UTC)"
-                    if self._record.drain_deadline
-                    else "",
-                )
-            self._status_changed()
-        return not adopted
+                return True
+            before, pending = self._record, self._pending
+            if "weight_version" in pending and not self._forced:
+                try:
+                    check_version_order(
+                        found.weight_version, pending["weight_version"], force=False
+                    )
+                except InvalidRecordError as exc:
+                    refused = exc
+                    self._refused = (self._pending_from, self._changes, exc)
+                    pending = self._pending = _NOTHING
+                    self._forced = False
+            self._record = replace(self._record.adopting(found), **pending)
+            if pending:
+                self._dirty = True
+        if refused is not None:
+            log.warning("%s: its own status change is refused: %s", self.engine_id, refused)
+        changed = [
+            f"{name} {old} -> {new}"
+            for name, old, new in (
+                ("status", before.status, self._record.status),
+                ("weight_version", before.weight_version, self._record.weight_version),
+            )
+            if old != new and name not in pending
+        ]
+        if changed:
+            deadline = self._record.drain_deadline
+            log.info(
+                "%s: %s, changed from outside%s",
+                self.engine_id,
+                ", ".join(changed),
+                f" (until {deadline:%H:%M:%S} UTC)" if deadline else "",
+            )
+        self._status_changed()
+        return bool(pending)
 
 
 def _stamped(record: EngineRecord) -> EngineRecord:
@@ -679,6 +788,7 @@ def register_engine(
     ttl: float | None = None,
     labels: Mapping[str, str] | None = None,
     status: EngineStatus | str = EngineStatus.READY,
+    weight_version: int | None = None,
     settings: Settings | None = None,
     connection: EtcdPort | None = None,
     session: Session | None = None,
@@ -690,7 +800,9 @@ def register_engine(
     ``endpoint`` is our ``InferenceEngineEndpoint`` or Megatron-Core's own (any object
     with its ``to_dict()``; keys of it this version does not know are stored too).
     Everything is validated before anything is written. ``status`` is what routers see
-    (``starting`` until the engine takes requests, then ``set_status("ready")``).
+    (``starting`` until the engine takes requests, then ``set_status("ready")``);
+    ``weight_version`` the version of the weights it serves (a non-negative integer, see
+    ``Registration.resume``).
     ``ttl`` (default 10 s) sizes the registration's own lease; with ``session`` the
     record goes on that shared lease instead (``ttl``, ``settings`` and ``connection``
     are the session's). Raises EngineConflictError when another live lease holds
@@ -708,6 +820,7 @@ def register_engine(
         extra_capabilities=extra_capabilities,
         labels=labels or {},
         status=validate_status(status),
+        weight_version=validate_weight_version(weight_version),
     )
     return register_record(
         record,

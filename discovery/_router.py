@@ -9,15 +9,31 @@ call from an asyncio event loop.
 
 **Status, before anything else.** Only engines whose record status is among the router's
 ``statuses`` (default: ``ready``) are candidates: a ``starting`` engine takes nothing yet,
-a ``draining`` one nothing new. A handle already held on an engine that starts draining
-stays valid and releases normally (its in-flight count stays visible in ``in_flight()``).
+a ``draining`` or ``paused`` one nothing new. A handle already held on an engine that
+starts draining or is paused stays valid and releases normally (its in-flight count stays
+visible in ``in_flight()``).
 
 **Candidates.** The router sees the engines of the table that carry its ``selector``
 labels. Each pick then filters them, in this order and in one place (``_pool_locked``):
 fit (``len(prompt_tokens) + max_tokens <= context_length``), the per-call ``selector``
-(every ``key: value`` among the engine's labels), and fencing (below). When fit or labels
-leave nothing the pick raises ``NoEngineAvailableError`` naming the filter that emptied
-the set; it never picks at random. Fencing never empties a set.
+(every ``key: value`` among the engine's labels), weight versions (below), and fencing
+(below). When fit, labels or ``min_weight_version`` leave nothing the pick raises
+``NoEngineAvailableError`` naming the filter that emptied the set (and, for the version
+filter, the versions present); it never picks at random. Fencing never empties a set.
+
+**Weight versions** (a rollout fleet's ``weight_version``; no option: versions are not
+looked at). ``min_weight_version=V`` keeps the candidates on version ``V`` or later.
+``max_version_lag=K`` keeps those at most ``K`` versions behind the highest version among
+the candidates, and ``weight_version="latest"`` is ``max_version_lag=0``: only the
+engines on that highest version (given both, the smaller lag applies). "The candidates"
+are the engines that passed the earlier filters (status, labels, fit), so the highest
+version is that of a ready engine that could take this request: while a fleet is refitted,
+the first engine ready on the new version takes every pick from the old ones, and a pick
+never finds nothing while some ready engine fits. An engine without a version counts as
+older than every version: ``min_weight_version`` never keeps it, and ``latest`` /
+``max_version_lag`` keep it only when no candidate has a version (a fleet that does not
+use versions routes as before). Given per pick, the three options replace the router's
+for that pick (all three: give any one of them and the router's are not used).
 
 **Policy** (``discovery._policies``): a ``RoutingPolicy`` name, whose built-in policy the
 router builds with its ``load_factor``, ``load_gap`` and ``prefix_index_blocks``, or a
@@ -50,6 +66,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal, NamedTuple
 
 from ._errors import NoEngineAvailableError
 from ._fencing import (
@@ -84,6 +101,29 @@ log = logging.getLogger(__name__)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
+LATEST = "latest"
+
+
+class _Versions(NamedTuple):
+    """A pick's weight-version filter: a floor, and a lag behind the highest version."""
+
+    minimum: int | None = None
+    lag: int | None = None
+
+    @classmethod
+    def of(
+        cls, weight_version: str | None, min_weight_version: int | None, lag: int | None
+    ) -> _Versions:
+        if weight_version is not None and weight_version != LATEST:
+            raise ValueError(f"weight_version must be None or 'latest', not {weight_version!r}")
+        minimum = _non_negative("min_weight_version", min_weight_version)
+        lag = _non_negative("max_version_lag", lag)
+        if weight_version == LATEST:
+            lag = 0
+        return _NO_VERSIONS if minimum is None and lag is None else cls(minimum, lag)
+
+
+_NO_VERSIONS = _Versions()
 
 
 @dataclass(frozen=True)
@@ -172,7 +212,9 @@ class Router:
     bound per engine. Fencing: ``fence_after`` consecutive failures (None: never fence),
     ``fence_seconds`` / ``fence_max_seconds`` the first and longest fence,
     ``max_fenced_share`` the share of engines that may be fenced at once, ``clock`` the
-    time source (seconds). The table must be started (or fed) separately; the router owns
+    time source (seconds). Weight versions: ``weight_version="latest"``,
+    ``min_weight_version`` and ``max_version_lag`` (see the module docs; none: versions
+    are not looked at). The table must be started (or fed) separately; the router owns
     no thread and needs no closing. ``metrics`` counts picks, failures and fences and
     exports in-flight requests and fenced engines.
     """
@@ -193,8 +235,12 @@ class Router:
         max_fenced_share: float = DEFAULT_MAX_FENCED_SHARE,
         clock: Callable[[], float] = time.monotonic,
         metrics: MetricsHooks | None = None,
+        weight_version: Literal["latest"] | None = None,
+        min_weight_version: int | None = None,
+        max_version_lag: int | None = None,
     ) -> None:
         self._policy = _policy_argument(policy)
+        self._versions = _Versions.of(weight_version, min_weight_version, max_version_lag)
         # Built eagerly so bad options fail here, not at the first pick.
         self._builtins: dict[RoutingPolicy, Policy] = {
             RoutingPolicy.ROUND_ROBIN: RoundRobinPolicy(),
@@ -225,7 +271,7 @@ class Router:
         self._ordered: tuple[Candidate, ...] = ()  # by context_length, longest first
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
-        self._pools: dict[tuple[tuple[tuple[str, str], ...], int], _Pool] = {}
+        self._pools: dict[tuple[tuple[tuple[str, str], ...], int, _Versions], _Pool] = {}
         self._warned: set[object] = set()
 
     @property
@@ -244,20 +290,30 @@ class Router:
         max_tokens: int,
         *,
         selector: Mapping[str, str] | None = None,
+        weight_version: Literal["latest"] | None = None,
+        min_weight_version: int | None = None,
+        max_version_lag: int | None = None,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
-        ``selector`` adds labels the engine must carry for this call. Returns a held
-        PickHandle; raises NoEngineAvailableError when no engine passes the filters.
+        ``selector`` adds labels the engine must carry for this call. ``weight_version``
+        (``"latest"``), ``min_weight_version`` and ``max_version_lag``, if any is given,
+        replace the router's version options for this call. Returns a held PickHandle;
+        raises NoEngineAvailableError when no engine passes the filters.
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise TypeError("max_tokens must be an integer")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        versions = (
+            self._versions
+            if weight_version is None and min_weight_version is None and max_version_lag is None
+            else _Versions.of(weight_version, min_weight_version, max_version_lag)
+        )
         with self._lock:
             self._refresh_locked()
             try:
-                pool = self._pool_locked(selector, len(prompt_tokens), max_tokens)
+                pool = self._pool_locked(selector, len(prompt_tokens), max_tokens, versions)
             except NoEngineAvailableError:
                 self._metrics.no_engine()
                 raise
@@ -377,9 +433,13 @@ class Router:
     # -- candidates --------------------------------------------------------------------
 
     def _pool_locked(
-        self, selector: Mapping[str, str] | None, prompt_len: int, max_tokens: int
+        self,
+        selector: Mapping[str, str] | None,
+        prompt_len: int,
+        max_tokens: int,
+        versions: _Versions = _NO_VERSIONS,
     ) -> _Pool:
-        """The candidates of one pick: every filter runs here (fit, labels, fencing)."""
+        """The candidates of one pick: every filter runs here (fit, labels, versions, fences)."""
         need = prompt_len + max_tokens
         # Engines are ordered longest context first, so those that fit are a prefix.
         fit = (
@@ -387,7 +447,7 @@ class Router:
             if need <= self._min_context
             else bisect.bisect_right(self._neg_context, -need)
         )
-        key = (tuple(sorted(selector.items())) if selector else (), fit)
+        key = (tuple(sorted(selector.items())) if selector else (), fit, versions)
         pool = self._pools.get(key)
         if pool is None:
             engines = self._ordered[:fit]
@@ -395,6 +455,8 @@ class Router:
                 engines = tuple(e for e in engines if e.record.matches(selector))
             if not engines:
                 raise self._no_engine_locked(selector, prompt_len, max_tokens)
+            if versions is not _NO_VERSIONS:
+                engines = _by_version(engines, versions)
             engines = self._unfenced_locked(engines, key)
             if len(self._pools) >= _MAX_POOLS:
                 self._pools.clear()
@@ -481,6 +543,52 @@ class Router:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def _by_version(engines: tuple[Candidate, ...], versions: _Versions) -> tuple[Candidate, ...]:
+    """The candidates that pass the version filter; NoEngineAvailableError when none does.
+
+    Only the floor (``min_weight_version``) can leave none: the lag is counted from the
+    highest version among ``engines``, which always passes it.
+    """
+    minimum, lag = versions
+    top = max((v for e in engines if (v := e.record.weight_version) is not None), default=None)
+    floor = minimum
+    if lag is not None and top is not None:
+        floor = top - lag if floor is None else max(floor, top - lag)
+    if floor is None:
+        return engines
+    kept = tuple(e for e in engines if (v := e.record.weight_version) is not None and v >= floor)
+    if not kept:
+        raise NoEngineAvailableError(
+            f"no engine is on weight_version >= {minimum} (min_weight_version): "
+            f"the {len(engines)} candidates (status, labels and fit passed) are on "
+            f"{_versions_present(engines)}"
+        )
+    return kept
+
+
+def _versions_present(engines: Iterable[Candidate]) -> str:
+    """``v7 (3), v8 (1), no version (2)``: the versions of ``engines``, with counts."""
+    counts: dict[int | None, int] = {}
+    for engine in engines:
+        version = engine.record.weight_version
+        counts[version] = counts.get(version, 0) + 1
+    versions = sorted(v for v in counts if v is not None)
+    parts = [f"v{v} ({counts[v]})" for v in versions]
+    if None in counts:
+        parts.append(f"no version ({counts[None]})")
+    return ", ".join(parts)
+
+
+def _non_negative(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def _policy_argument(policy: RoutingPolicy | str | Policy) -> RoutingPolicy | Policy:

@@ -39,7 +39,7 @@ def test_list_json_and_table(settings: Settings) -> None:
         table = run_cli(settings, "list")
         assert table.returncode == 0
         lines = table.stdout.splitlines()
-        assert lines[0].split()[:3] == ["ENGINE", "STATUS", "ADDRESS"]
+        assert lines[0].split()[:4] == ["ENGINE", "STATUS", "VERSION", "ADDRESS"]
         assert any(line.split()[:2] == ["a", "ready"] and "role=decode" in line for line in lines)
         assert lines[-1] == "(2 engines)"
 
@@ -165,7 +165,8 @@ def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: 
         added = json.loads(watch.stdout.readline())
         assert set(added) == {
             "type", "engine_id", "key", "revision", "endpoint",
-            "labels", "registered_at", "status", "drain_deadline", "state_address",
+            "labels", "registered_at", "status", "drain_deadline", "weight_version",
+            "state_address",
         }  # fmt: skip
         assert (added["type"], added["engine_id"]) == ("added", "victim")
         assert added["endpoint"]["coordinator_address"] == "tcp://victim:5555"

@@ -676,8 +676,8 @@ def test_drain_deadline_is_written_in_utc_with_milliseconds() -> None:
 
 
 def test_record_status_rules() -> None:
-    with pytest.raises(InvalidRecordError, match="status 'paused' is not one of"):
-        make_record(status="paused")
+    with pytest.raises(InvalidRecordError, match="status 'hibernating' is not one of"):
+        make_record(status="hibernating")
     with pytest.raises(InvalidRecordError, match="only allowed on a draining record, not ready"):
         make_record(drain_deadline=WHEN)
     with pytest.raises(InvalidRecordError, match="timezone-aware"):
@@ -688,7 +688,10 @@ def test_record_status_rules() -> None:
 @pytest.mark.parametrize(
     ("metadata", "reason"),
     [
-        ({"status": "paused"}, r"status 'paused' is not one of starting, ready, draining"),
+        (
+            {"status": "hibernating"},
+            r"status 'hibernating' is not one of starting, ready, draining, paused",
+        ),
         ({"status": "READY"}, r"status 'READY' is not one of"),
         ({"status": 1}, r"status 1 is not one of"),
         ({"status": True}, r"status True is not one of"),

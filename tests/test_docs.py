@@ -47,6 +47,8 @@ INTENDED = {
     "deregister",
     "drain",
     "undrain",
+    "pause",
+    "resume",
     "Session",
     "Registration",
     "RegistrationState",

@@ -140,7 +140,7 @@ def test_a_bad_status_is_skipped_and_counted_then_the_registrar_writes_its_own(
         reg = register_engine(make_endpoint(), engine_id="broken", ttl=3, settings=settings)
         table.wait_until(lambda snap: "broken" in snap, timeout=10)
         value = json.loads(get_kv(settings.endpoints, reg.key)["value"])
-        value["status"] = "paused"
+        value["status"] = "hibernating"
         raw_call(conn, lambda c: c.put(reg.key, json.dumps(value), lease=reg.lease_id))
         # Like any bad value: skipped and counted, and the engine leaves the table...
         table.wait_until(lambda snap: "broken" not in snap, timeout=10)

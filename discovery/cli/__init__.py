@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from .. import ConfigurationError, DiscoveryError, InvalidRecordError
 from ._args import (
@@ -17,6 +18,7 @@ from ._args import (
     add_metrics_flags,
     add_registration_flags,
     add_settings_flags,
+    add_weight_version_flag,
 )
 from ._commands import (
     EXIT_FAILURE,
@@ -24,7 +26,9 @@ from ._commands import (
     cmd_drain,
     cmd_launch,
     cmd_list,
+    cmd_pause,
     cmd_register,
+    cmd_resume,
     cmd_undrain,
     cmd_watch,
 )
@@ -72,23 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(dereg)
     dereg.set_defaults(func=cmd_deregister)
 
-    drain = commands.add_parser(
-        "drain", help="mark an engine draining: routers stop picking it, its requests finish"
-    )
-    drain.add_argument("engine_id")
-    drain.add_argument(
-        "--timeout",
-        type=float,
-        metavar="S",
-        help="its registrar revokes the lease after S seconds (default: drain until undrain)",
-    )
-    add_settings_flags(drain)
-    drain.set_defaults(func=cmd_drain)
-
-    undrain = commands.add_parser("undrain", help="put a draining engine back to ready")
-    undrain.add_argument("engine_id")
-    add_settings_flags(undrain)
-    undrain.set_defaults(func=cmd_undrain)
+    _add_status_commands(commands)
 
     lst = commands.add_parser("list", help="print the live engines")
     lst.add_argument("--format", choices=("table", "json"), default="table")
@@ -109,6 +97,49 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_flags(demo)
     demo.set_defaults(func=cmd_demo)
     return parser
+
+
+def _add_status_commands(commands: Any) -> None:
+    """``drain``, ``undrain``, ``pause``, ``resume``: an engine's status, from outside."""
+    drain = commands.add_parser(
+        "drain", help="mark an engine draining: routers stop picking it, its requests finish"
+    )
+    drain.add_argument("engine_id")
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="its registrar revokes the lease after S seconds (default: drain until undrain)",
+    )
+    add_settings_flags(drain)
+    drain.set_defaults(func=cmd_drain)
+
+    undrain = commands.add_parser("undrain", help="put a draining engine back to ready")
+    undrain.add_argument("engine_id")
+    add_settings_flags(undrain)
+    undrain.set_defaults(func=cmd_undrain)
+
+    pause = commands.add_parser(
+        "pause",
+        help="mark an engine paused: routers stop picking it, it keeps its lease and id "
+        "(a weight update)",
+    )
+    pause.add_argument("engine_id")
+    add_settings_flags(pause)
+    pause.set_defaults(func=cmd_pause)
+
+    resume = commands.add_parser(
+        "resume",
+        help="put a paused engine back to ready, on a new weight version if given (one "
+        "write; a ready engine takes the version)",
+    )
+    resume.add_argument("engine_id")
+    add_weight_version_flag(resume, "the version of the weights it serves now")
+    resume.add_argument(
+        "--force", action="store_true", help="allow a lower weight version (a rollback)"
+    )
+    add_settings_flags(resume)
+    resume.set_defaults(func=cmd_resume)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -166,6 +166,7 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=float, default=10.0, help="lease TTL in seconds (default 10)")
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--replace", action="store_true", help="take over a live engine's id")
+    add_weight_version_flag(parser, "the version of the weights the engine serves")
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -174,6 +175,11 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
         help="on the first SIGTERM/SIGINT mark the engine draining for S seconds, then "
         "revoke; a second signal revokes at once (default 0: revoke at once)",
     )
+
+
+def add_weight_version_flag(parser: argparse.ArgumentParser, text: str) -> None:
+    """--weight-version V: a non-negative integer (the record checks its range)."""
+    parser.add_argument("--weight-version", type=int, metavar="V", help=f"{text} (an integer >= 0)")
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:

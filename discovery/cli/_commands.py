@@ -1,6 +1,7 @@
-"""The ``register``, ``deregister``, ``drain``, ``undrain``, ``list``, ``watch`` commands.
+"""The commands: ``register``, ``launch``, ``deregister``, ``list``, ``watch``, and the status.
 
-Each is a thin layer over the public API.
+The status ones are ``drain``, ``undrain``, ``pause`` and ``resume``. Each command is a thin
+layer over the public API.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from .. import (
     drain_and_close,
     launch,
     list_engines,
+    pause,
     register_engine,
+    resume,
     undrain,
 )
 from ._args import (
@@ -56,6 +59,7 @@ def cmd_register(args: argparse.Namespace) -> int:
         engine_id=engine_id,
         ttl=args.ttl,
         labels=labels,
+        weight_version=args.weight_version,
         settings=settings,
         replace=args.replace,
     )
@@ -108,6 +112,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         engine_id=args.engine_id,
         ttl=args.ttl,
         labels=parse_labels(args.label),
+        weight_version=args.weight_version,
         settings=settings_from_args(args),
         replace=args.replace,
         metrics=metrics_from_args(args),
@@ -142,6 +147,20 @@ def cmd_undrain(args: argparse.Namespace) -> int:
     """Put a draining engine back to ready."""
     settings = settings_from_args(args)
     record = undrain(args.engine_id, settings)
+    return _print_status(args.engine_id, settings.keyspace.key(args.engine_id), record)
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    """Mark an engine paused (routers stop picking it; it keeps its lease and id)."""
+    settings = settings_from_args(args)
+    record = pause(args.engine_id, settings)
+    return _print_status(args.engine_id, settings.keyspace.key(args.engine_id), record)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Put a paused engine back to ready, on a new weight version if given (one write)."""
+    settings = settings_from_args(args)
+    record = resume(args.engine_id, args.weight_version, settings, force=args.force)
     return _print_status(args.engine_id, settings.keyspace.key(args.engine_id), record)
 
 
