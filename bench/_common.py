@@ -60,6 +60,7 @@ PAGE_ORDER = (
     "sessions",
     "router",
     "routing_quality",
+    "relay",
     "chaos",
 )
 PLOT = BENCH / "latency.png"  # drawn by run_all.py from these benchmarks' bench/out files:

@@ -42,6 +42,7 @@ BENCHMARKS = {
     "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1"]),
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
     "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
+    "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),
 }
 
 

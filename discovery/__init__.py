@@ -4,6 +4,7 @@ Engines register an ``InferenceEngineEndpoint`` under a lease; routers watch the
 into a live ``RoutingTable``. See README.md for the key layout and the guarantees.
 """
 
+from ._blockhash import block_hashes
 from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, MAX_VALUE_BYTES, KeySpace
 from ._connection import Connection
 from ._endpoint import (
@@ -126,6 +127,7 @@ __all__ = [
     "WatcherState",
     "__version__",
     "aregister_engine",
+    "block_hashes",
     "default_engine_id",
     "deregister",
     "deregister_on_signals",

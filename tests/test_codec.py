@@ -690,7 +690,7 @@ def test_record_status_rules() -> None:
     [
         (
             {"status": "hibernating"},
-            r"status 'hibernating' is not one of starting, ready, draining, paused",
+            r"status 'hibernating' is not one of starting, ready, draining, stalled, paused",
         ),
         ({"status": "READY"}, r"status 'READY' is not one of"),
         ({"status": 1}, r"status 1 is not one of"),

@@ -58,6 +58,7 @@ INTENDED = {
     "EngineStates",
     "EngineState",
     "EngineStatesHealth",
+    "block_hashes",
     "launch",
     "ReceiverState",
     "ReceiverHealth",

@@ -123,6 +123,7 @@ def test_events_added_updated_removed_with_last_known_record(settings: Settings)
             "registered_at",
             "status",
             "drain_deadline",
+            "weight_version",
             "state_address",
         }
     client.close()

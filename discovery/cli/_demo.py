@@ -2,10 +2,11 @@
 
 Starts an embedded etcd unless one is configured, starts a few stand-in engines each under
 its own ``discovery launch`` (the engine announces itself with Megatron's ready message and
-the launcher registers it), shows the live table, kills one launcher hard (SIGKILL: removed
-when its lease expires), stops one gracefully (SIGTERM: its lease is revoked at once) and
-kills one engine process (its launcher revokes at once), prints each removal's measured
-delay, and leaves nothing running.
+the launcher registers it), shows the live table, freezes one engine (SIGSTOP: its
+launcher marks it ``stalled``, a router skips it, SIGCONT brings it back), kills one
+launcher hard (SIGKILL: removed when its lease expires), stops one gracefully (SIGTERM: its
+lease is revoked at once) and kills one engine process (its launcher revokes at once),
+prints each removal's measured delay, and leaves nothing running.
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .. import (
     EndpointEvent,
     EngineEventReceiver,
+    EngineStatus,
     EventType,
     PrefixCachingCoordinatorPolicy,
+    Router,
     RoutingSnapshot,
+    RoutingTable,
     Settings,
     watch_table,
 )
@@ -45,6 +50,8 @@ from ._commands import format_event
 
 _POLICIES = tuple(PrefixCachingCoordinatorPolicy)
 _START_TIMEOUT = 30.0
+_STALL_TIMEOUT = 2.0
+_PICKS = 30
 
 
 def _say(started: float, text: str) -> None:
@@ -78,6 +85,7 @@ def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
         "--label", "model=llama-3-8b",
         "--label", f"role={'prefill' if index % 2 == 0 else 'decode'}",
         "--ttl", str(ttl),
+        "--stall-timeout", str(_STALL_TIMEOUT),
         *settings_argv(settings),
         "--log-level", "WARNING",
         "--", sys.executable, "-m", "discovery.stand_in_engine",
@@ -133,6 +141,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 engines.append(subprocess.Popen(_engine_command(index, settings, args.ttl)))
             table.wait_until(lambda snap: len(snap) >= args.engines, timeout=_START_TIMEOUT)
             _print_inspection(settings, started)
+            if len(engines) > 1:
+                _show_a_stall(engines[1], "demo-engine-1", table, started)
             steps = [
                 (
                     signal.SIGKILL,
@@ -172,6 +182,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
             table.stop()
     _say(started, "demo finished: engines, watcher and embedded etcd stopped; nothing left running")
     return 0
+
+
+def _picks(router: Router) -> str:
+    picked: Counter[str] = Counter()
+    for _ in range(_PICKS):
+        with router.pick(list(range(16)), 16) as handle:
+            picked[handle.engine_id] += 1
+    return ", ".join(f"{engine_id} x{n}" for engine_id, n in sorted(picked.items()))
+
+
+def _show_a_stall(
+    launcher: subprocess.Popen[bytes], engine_id: str, table: RoutingTable, started: float
+) -> None:
+    """Freeze an engine: stalled and skipped within the stall timeout, back on SIGCONT."""
+    pid = _engine_pid(launcher)
+    if pid is None:
+        _say(started, f"cannot find {engine_id}'s engine process: stall skipped")
+        return
+    router = Router(table, policy="round_robin")
+    _say(started, f"{_PICKS} picks: {_picks(router)}")
+    _say(started, f"sending SIGSTOP to {engine_id}'s engine: it hangs (a stuck collective)")
+    os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        table.wait_until(
+            lambda snap: snap[engine_id].status is EngineStatus.STALLED,
+            timeout=_STALL_TIMEOUT + _START_TIMEOUT,
+        )
+        _say(
+            started,
+            f"{engine_id} stalled {time.monotonic() - frozen:.1f} s after SIGSTOP "
+            f"(stall timeout {_STALL_TIMEOUT:g} s); {_PICKS} picks: {_picks(router)}",
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thawed = time.monotonic()
+    table.wait_until(lambda snap: snap[engine_id].ready, timeout=_START_TIMEOUT)
+    _say(
+        started,
+        f"{engine_id} ready again {time.monotonic() - thawed:.3f} s after SIGCONT; "
+        f"{_PICKS} picks: {_picks(router)}",
+    )
 
 
 def _print_inspection(settings: Settings, started: float) -> None:
