@@ -15,7 +15,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-__all__ = ["block_hashes"]
+__all__ = ["LazyBlockHashes", "block_hashes"]
 
 _MOD = 2**63 - 1
 _ROOT = bytes(32)
@@ -25,19 +25,51 @@ def block_hashes(tokens: Sequence[int], block_size: int, limit: int | None = Non
     """Megatron's hash of each complete block of ``tokens`` (at most ``limit`` blocks)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    blocks = len(tokens) // block_size
-    if limit is not None:
-        blocks = min(blocks, limit)
-    if not blocks:
-        return []
-    try:
-        data = struct.pack(f"<{blocks * block_size}q", *tokens[: blocks * block_size])
-    except struct.error as exc:
-        raise ValueError(f"prompt token ids must be 64-bit integers: {exc}") from exc
-    step = block_size * 8
-    digest = _ROOT
-    out = []
-    for start in range(0, len(data), step):
-        digest = hashlib.sha256(digest + data[start : start + step]).digest()
-        out.append(int.from_bytes(digest[:8], "little") % _MOD + 1)
-    return out
+    lazy = LazyBlockHashes(tokens, block_size)
+    count = len(lazy) if limit is None else min(limit, len(lazy))
+    if count:
+        lazy.get(count - 1)
+    return lazy.hashes[:count]
+
+
+class LazyBlockHashes:
+    """A prompt's block hashes, computed one block at a time as they are asked for.
+
+    A router that stops at the first block no engine holds hashes that one block only.
+    """
+
+    __slots__ = ("_block_size", "_blocks", "_digest", "_tokens", "hashes")
+
+    def __init__(self, tokens: Sequence[int], block_size: int) -> None:
+        self._tokens = tokens
+        self._block_size = block_size
+        self._blocks = len(tokens) // block_size
+        self._digest = _ROOT
+        self.hashes: list[int] = []
+        """The hashes computed so far, block 0 first."""
+
+    def __len__(self) -> int:
+        """The number of complete blocks."""
+        return self._blocks
+
+    def get(self, index: int) -> int | None:
+        """The hash of block ``index``, or None past the last complete block."""
+        hashes = self.hashes
+        while len(hashes) <= index:
+            if len(hashes) >= self._blocks:
+                return None
+            start = len(hashes) * self._block_size
+            try:
+                data = struct.pack(
+                    f"<{self._block_size}q", *self._tokens[start : start + self._block_size]
+                )
+            except struct.error as exc:
+                raise ValueError(f"prompt token ids must be 64-bit integers: {exc}") from exc
+            self._digest = hashlib.sha256(self._digest + data).digest()
+            hashes.append(int.from_bytes(self._digest[:8], "little") % _MOD + 1)
+        return hashes[index]
+
+    def all(self) -> list[int]:
+        """Every complete block's hash."""
+        self.get(self._blocks - 1)
+        return self.hashes

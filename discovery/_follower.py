@@ -16,6 +16,13 @@ and the engine's current block set and load. What a policy may rely on:
   (default 3 heartbeats): the caller falls back to its own estimate.
 * **Age.** ``state(engine_id).age`` is the time since its relay last said anything (it
   ticks every second); health and metrics carry it.
+* **Shared load.** With ``load=`` (this router's requests in flight per engine), each
+  engine's relay gets this router's count when it changes (at most every
+  ``report_interval``, 50 ms) and every heartbeat; the relay sums every router's report.
+  ``others(engine_id)`` is what the other routers hold there (the engine's own count, when
+  it reports one, minus ours): a router adds it to its own handles for one load view
+  across routers. ``load_changes()`` names the engines whose ``others`` changed, so a
+  router updates only those.
 
 One thread (``discovery-engine-states``) owns every socket; reads (``cached_prefix``,
 ``state``) take no lock: each engine's block set is swapped whole on a snapshot and
@@ -26,12 +33,15 @@ and from asyncio (reads never block; ``await_synced`` waits without blocking the
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import inspect
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -39,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ClosedError
 from ._kvstate import unpack_hashes
 from ._metrics import NO_METRICS, MetricsHooks
-from ._relay import HEARTBEAT
+from ._relay import HEARTBEAT, LOAD_INTERVAL
 from ._store import Batch, EventType
 
 if TYPE_CHECKING:
@@ -51,6 +61,7 @@ __all__ = ["EngineState", "EngineStates", "EngineStatesHealth"]
 
 log = logging.getLogger(__name__)
 
+REPORT_INTERVAL = LOAD_INTERVAL / 2  # this router's count, when it changed, to each relay
 _MAX_FRAME = 64 << 20  # a snapshot of 8 million blocks; beyond that a relay is broken
 _NO_LOAD: Mapping[str, Any] = MappingProxyType({})
 
@@ -108,6 +119,9 @@ class _Follow:
     address: str
     blocks: set[int] = field(default_factory=set)
     load: Mapping[str, Any] = field(default_factory=lambda: _NO_LOAD)
+    others: int = 0  # what the other routers (or the engine's own count) add to ours
+    reported: int = -1  # the count last reported to the relay (-1: none yet)
+    fresh: bool = False  # synced and heard from within stale_after, as last told
     epoch: int = 0
     seq: int = 0
     synced: bool = False
@@ -119,10 +133,11 @@ class _Follow:
 class EngineStates:
     """Follows ``table``'s engines' state relays (see the module docs).
 
-    ``load`` is called once a heartbeat (and must be cheap): this router's in-flight
-    requests per engine id, reported to each engine's relay, which sums the reports of
-    every router. ``metrics`` exports ages, resyncs and blocks. ``start()`` (or ``with``)
-    begins following; ``stop()`` closes every subscription.
+    ``load`` (and every ``Router`` built with ``states=`` this object, which adds its own
+    ``in_flight``) gives this process's in-flight requests per engine id: read every
+    ``report_interval`` (so it must be cheap) and reported to each engine's relay, which
+    sums the reports of every router. ``metrics`` exports ages, resyncs and blocks.
+    ``start()`` (or ``with``) begins following; ``stop()`` closes every subscription.
     """
 
     def __init__(
@@ -132,13 +147,18 @@ class EngineStates:
         stale_after: float = 3 * HEARTBEAT,
         heartbeat: float = HEARTBEAT,
         load: Callable[[], Mapping[str, int]] | None = None,
+        report_interval: float = REPORT_INTERVAL,
         metrics: MetricsHooks | None = None,
     ) -> None:
         self._table = table
         self.stale_after = stale_after
         """Seconds without a word from a relay after which its engine's state is stale."""
         self._heartbeat = heartbeat
-        self._load = load
+        self._load_sources: list[Callable[[], Callable[[], Mapping[str, int]] | None]] = []
+        if load is not None:
+            self._load_sources.append(lambda: load)
+        self._report_interval = report_interval
+        self._watchers: list[collections.deque[str]] = []  # load_changes() subscribers
         self._metrics = metrics or NO_METRICS
         self._lock = threading.Lock()
         self._follows: dict[str, _Follow] = {}  # replaced whole under the lock: reads free
@@ -152,17 +172,45 @@ class EngineStates:
 
     # -- reads (any thread) ------------------------------------------------------------------
 
-    def cached_prefix(self, engine_id: str, hashes: Iterable[int]) -> int | None:
-        """How many of ``hashes`` (a prompt's leading blocks) the engine caches, in a row.
+    def add_load_source(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Report ``source()``'s in-flight counts too (a bound method is held weakly).
 
-        None when its state is unknown, unsynced or stale: use your own estimate.
+        ``Router(table, states=...)`` adds its own ``in_flight``.
         """
+        if inspect.ismethod(source):
+            self._load_sources.append(weakref.WeakMethod(source))
+        else:
+            self._load_sources.append(lambda: source)
+
+    def _loads(self) -> dict[str, int] | None:
+        """The in-flight counts of every load source, summed; None without a source."""
+        if not self._load_sources:
+            return None
+        total: dict[str, int] = {}
+        for reference in self._load_sources:
+            source = reference()
+            if source is not None:
+                for engine_id, count in source().items():
+                    total[engine_id] = total.get(engine_id, 0) + count
+        return total
+
+    def _fresh(self, engine_id: str) -> _Follow | None:
+        """The engine's follow if its state is synced and heard from within stale_after."""
         follow = self._follows.get(engine_id)
         if follow is None or not follow.synced:
             return None
         if time.monotonic() - follow.heard > self.stale_after:
             return None
-        blocks = follow.blocks
+        return follow
+
+    def cached_prefix(self, engine_id: str, hashes: Iterable[int]) -> int | None:
+        """How many of ``hashes`` (a prompt's leading blocks) the engine caches, in a row.
+
+        None when its state is unknown, unsynced or stale: use your own estimate.
+        """
+        blocks = self.fresh_blocks(engine_id)
+        if blocks is None:
+            return None
         count = 0
         for block_hash in hashes:
             if block_hash not in blocks:
@@ -170,14 +218,36 @@ class EngineStates:
             count += 1
         return count
 
+    def fresh_blocks(self, engine_id: str) -> Container[int] | None:
+        """The engine's cached block hashes if its state is synced and fresh, else None.
+
+        The live set, shared: read it, never change it.
+        """
+        follow = self._fresh(engine_id)
+        return None if follow is None else follow.blocks
+
     def fresh(self, engine_id: str) -> Mapping[str, Any] | None:
         """The engine's load view if its state is synced and fresh, else None."""
-        follow = self._follows.get(engine_id)
-        if follow is None or not follow.synced:
-            return None
-        if time.monotonic() - follow.heard > self.stale_after:
-            return None
-        return follow.load
+        follow = self._fresh(engine_id)
+        return None if follow is None else follow.load
+
+    def others(self, engine_id: str) -> int | None:
+        """Requests the other routers (or the engine, as it reports) hold on the engine.
+
+        None when its state is not synced and fresh: count only your own handles then.
+        """
+        follow = self._fresh(engine_id)
+        return None if follow is None else follow.others
+
+    def load_changes(self) -> collections.deque[str]:
+        """A queue of engine ids whose ``others`` changed; the caller pops from it.
+
+        The follower appends on a new load view, and when a state turns stale or synced.
+        """
+        queue: collections.deque[str] = collections.deque(maxlen=1 << 16)
+        with self._lock:
+            self._watchers.append(queue)
+        return queue
 
     def state(self, engine_id: str) -> EngineState | None:
         """The engine's state as last heard (a copy), or None if it has no relay."""
@@ -336,10 +406,11 @@ class EngineStates:
         poller.register(wake, zmq.POLLIN)
         sockets: dict[Any, _Follow] = {}  # socket -> the follow it serves
         pack = msgpack.Packer(use_bin_type=True).pack
-        next_beat = 0.0
+        next_beat = next_report = 0.0
         try:
             while not self._stopping:
-                ready = dict(poller.poll(int(max(0.0, next_beat - time.monotonic()) * 1000)))
+                due = min(next_beat, next_report) if self._load_sources else next_beat
+                ready = dict(poller.poll(int(max(0.0, due - time.monotonic()) * 1000)))
                 if wake in ready:
                     os.read(wake, 65536)
                 self._sync_sockets(context, poller, sockets, pack)
@@ -350,6 +421,9 @@ class EngineStates:
                 if now >= next_beat:
                     self._beat(sockets, pack, now)
                     next_beat = now + self._heartbeat
+                elif self._load_sources and now >= next_report:
+                    self._report(sockets, pack, changed_only=True)
+                next_report = now + self._report_interval
         except Exception:
             log.exception("engine states: the follower failed; routers fall back to estimates")
         finally:
@@ -407,11 +481,13 @@ class EngineStates:
         if verb == "hello":
             seq, blocks, load = rest
             follow.blocks = set(unpack_hashes(blocks))
-            follow.epoch, follow.seq, follow.load = epoch, seq, MappingProxyType(dict(load))
+            follow.epoch, follow.seq = epoch, seq
+            self._new_load(follow, load)
             if not follow.synced:
                 follow.synced = True
                 with self._changed:
                     self._changed.notify_all()
+            self._freshness(follow, now)
             return
         if epoch != follow.epoch:
             if follow.synced or now - follow.asked > self._heartbeat:
@@ -438,7 +514,30 @@ class EngineStates:
                 self._ask(follow, "gap", pack, now)  # increments were lost on the way
         elif verb == "load":
             (load,) = rest
-            follow.load = MappingProxyType(dict(load))
+            self._new_load(follow, load)
+
+    def _new_load(self, follow: _Follow, load: Mapping[str, Any]) -> None:
+        """Take a load view: what the other routers (or the engine) hold besides us."""
+        follow.load = MappingProxyType(dict(load))
+        engine = load.get("engine")
+        total = load.get("in_flight", 0)
+        if isinstance(engine, Mapping) and "active_request_count" in engine:
+            total = engine["active_request_count"] + engine.get("waiting_request_count", 0)
+        others = max(0, int(total) - int(load.get("yours", 0)))
+        if others != follow.others:
+            follow.others = others
+            self._announce(follow.engine_id)
+
+    def _freshness(self, follow: _Follow, now: float) -> None:
+        """Announce an engine whose state became usable or unusable for ``others``."""
+        fresh = follow.synced and now - follow.heard <= self.stale_after
+        if fresh != follow.fresh:
+            follow.fresh = fresh
+            self._announce(follow.engine_id)
+
+    def _announce(self, engine_id: str) -> None:
+        for queue in self._watchers:
+            queue.append(engine_id)
 
     def _ask(self, follow: _Follow, reason: str, pack: Callable[[Any], bytes], now: float) -> None:
         """Mark ``follow`` unsynced and ask its relay for a snapshot."""
@@ -446,6 +545,7 @@ class EngineStates:
 
         follow.synced = False
         follow.asked = now
+        self._freshness(follow, now)
         with self._lock:
             self._resyncs[reason] += 1
         self._metrics.engine_state_resync(reason)
@@ -454,12 +554,27 @@ class EngineStates:
 
     def _beat(self, sockets: dict[Any, _Follow], pack: Callable[[Any], bytes], now: float) -> None:
         """Every heartbeat: subscribe again (with this router's load); re-ask if unsynced."""
-        import zmq  # noqa: PLC0415
-
-        loads = self._load() if self._load is not None else {}
-        for sock, follow in sockets.items():
+        for follow in sockets.values():
             if not follow.synced and now - follow.asked > self._heartbeat:
                 self._ask(follow, "gap", pack, now)
-            message = ["load", loads.get(follow.engine_id, 0)] if self._load else ["sub"]
+            self._freshness(follow, now)
+        self._report(sockets, pack, changed_only=False)
+
+    def _report(
+        self, sockets: dict[Any, _Follow], pack: Callable[[Any], bytes], *, changed_only: bool
+    ) -> None:
+        """Send each relay this router's count on its engine (or a bare ``sub``)."""
+        import zmq  # noqa: PLC0415
+
+        loads = self._loads()
+        for sock, follow in sockets.items():
+            if loads is None:
+                message: list[Any] = ["sub"]
+            else:
+                count = loads.get(follow.engine_id, 0)
+                if changed_only and count == follow.reported:
+                    continue
+                follow.reported = count
+                message = ["load", count]
             with contextlib.suppress(zmq.Again):
                 sock.send(pack(message), zmq.NOBLOCK)

@@ -63,18 +63,21 @@ import abc
 import enum
 import hashlib
 import logging
+import math
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
+from ._blockhash import LazyBlockHashes
 from ._record import EngineRecord
 
 __all__ = [
     "Candidate",
     "Choice",
     "FirstPrefixBlockPolicy",
+    "KvAwarePolicy",
     "LoadBalancedPolicy",
     "LongestPrefixPolicy",
     "PickRequest",
@@ -88,13 +91,14 @@ log = logging.getLogger(__name__)
 DEFAULT_LOAD_FACTOR = 1.25
 DEFAULT_LOAD_GAP = 0.25
 DEFAULT_INDEX_BLOCKS = 4096
+DEFAULT_LOAD_WEIGHT = 1.0
 
 _MASK64 = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd, so multiplying is a bijection mod 2**64
 _SEED_PERSON = b"discovery/rdv"  # BLAKE2b personalisation: these digests mean nothing else
 _BLOCK_PERSON = b"discovery/block"
 _SCORE = attrgetter("_score")
-_IN_FLIGHT = attrgetter("in_flight")
+_LOAD = attrgetter("load")
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
 
 
@@ -109,6 +113,8 @@ class RoutingPolicy(enum.StrEnum):
     """Rendezvous hashing of the prompt's first KV-cache block, under a load bound."""
     LONGEST_PREFIX = "longest_prefix"
     """The engine recently sent the longest run of the prompt's leading blocks."""
+    KV_AWARE = "kv_aware"
+    """The engine that reports caching the longest run of the prompt's leading blocks."""
     AUTO = "auto"
     """What the candidates advertise in ``prefix_caching_coordinator_policy``."""
 
@@ -156,8 +162,11 @@ class Candidate:
 
     ``engine_id``, ``record`` (its EngineRecord), ``capacity`` (``max_num_seqs *
     logical_data_parallel_size``), ``block_size`` (``kv_cache_block_size``),
-    ``context_length``, ``advertised`` (the RoutingPolicy its capabilities ask for) and
-    ``in_flight`` (the router's unreleased handles on it). Policies read, never write.
+    ``context_length``, ``advertised`` (the RoutingPolicy its capabilities ask for),
+    ``in_flight`` (the router's unreleased handles on it), ``others`` (what other routers
+    hold there, or the engine's own count, as its state relay reports; 0 without one) and
+    ``load`` (``in_flight + others``: the load view every policy and the bound use).
+    Policies read, never write.
     """
 
     __slots__ = (
@@ -169,13 +178,15 @@ class Candidate:
         "context_length",
         "engine_id",
         "in_flight",
+        "load",
+        "others",
         "record",
     )
 
     def __init__(self, record: EngineRecord) -> None:
         self.engine_id = record.engine_id
         self._seed = _digest(record.engine_id.encode(), _SEED_PERSON)
-        self.in_flight = 0
+        self.in_flight = self.others = self.load = 0
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:
@@ -190,18 +201,29 @@ class Candidate:
             if caps.enable_prefix_caching and policy is not None
             else RoutingPolicy.LOAD_BALANCED
         )
-        self._score = (self.in_flight + 1) / self.capacity
+        self._rescore()
+
+    def _rescore(self) -> None:
+        self.load = self.in_flight + self.others
+        self._score = (self.load + 1) / self.capacity
 
     def _acquire(self) -> None:
         self.in_flight += 1
-        self._score = (self.in_flight + 1) / self.capacity
+        self._rescore()
 
     def _release(self) -> None:
         self.in_flight -= 1
-        self._score = (self.in_flight + 1) / self.capacity
+        self._rescore()
+
+    def _set_others(self, others: int) -> None:
+        self.others = others
+        self._rescore()
 
     def __repr__(self) -> str:
-        return f"<Candidate {self.engine_id} in_flight={self.in_flight}/{self.capacity}>"
+        return (
+            f"<Candidate {self.engine_id} in_flight={self.in_flight} others={self.others}"
+            f"/{self.capacity}>"
+        )
 
 
 class PickRequest(NamedTuple):
@@ -274,12 +296,12 @@ class _PerCandidateSet(Generic[S]):
 
 
 def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: int) -> float:
-    """``c * (T + 1) / C``: engine ``e`` is under its bound iff ``in_flight < scale * cap``.
+    """``c * (T + 1) / C``: engine ``e`` is under its bound iff ``load < scale * cap``.
 
     For an integer ``k``, ``k + 1 <= ceil(x)`` holds exactly when ``k < x``.
     """
-    in_flight: int = sum(map(_IN_FLIGHT, candidates))
-    return load_factor * (in_flight + 1) / capacity
+    load: int = sum(map(_LOAD, candidates))
+    return load_factor * (load + 1) / capacity
 
 
 # -- the built-in policies -------------------------------------------------------------
@@ -348,13 +370,13 @@ class FirstPrefixBlockPolicy(Policy):
         if self.load_factor is None or len(candidates) == 1:
             return chosen
         scale = _bound_scale(candidates, self.load_factor, capacity)
-        if chosen.in_flight < scale * chosen.capacity:
+        if chosen.load < scale * chosen.capacity:
             return chosen
         # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
         # only here). Some candidate is under its bound, so the walk ends in the order.
         order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
         return next(
-            (c for c in map(candidates.__getitem__, order) if c.in_flight < scale * c.capacity),
+            (c for c in map(candidates.__getitem__, order) if c.load < scale * c.capacity),
             chosen,
         )
 
@@ -450,13 +472,9 @@ class LongestPrefixPolicy(Policy):
     ) -> None:
         if not load_gap >= 0:  # also rejects NaN
             raise ValueError(f"load_gap must be >= 0, got {load_gap!r}")
-        if isinstance(prefix_index_blocks, bool) or not isinstance(prefix_index_blocks, int):
-            raise TypeError("prefix_index_blocks must be an integer")
-        if prefix_index_blocks <= 0:
-            raise ValueError(f"prefix_index_blocks must be positive, got {prefix_index_blocks}")
         self.load_factor = _check_load_factor(load_factor)
         self.load_gap = float(load_gap)
-        self.prefix_index_blocks = prefix_index_blocks
+        self.prefix_index_blocks = _check_index_blocks(prefix_index_blocks)
         self._index = _PrefixIndex()
         self._balance = LoadBalancedPolicy()
         self._prepared = _PerCandidateSet(self._prepare)
@@ -476,11 +494,10 @@ class LongestPrefixPolicy(Policy):
         chosen, policy = least, RoutingPolicy.LOAD_BALANCED
         if holders:
             best = min(map(by_id.__getitem__, holders), key=lambda c: (c._score, c.engine_id))
-            gap = best.in_flight / best.capacity - least.in_flight / least.capacity
+            gap = best.load / best.capacity - least.load / least.capacity
             if gap <= self.load_gap and (
                 self.load_factor is None
-                or best.in_flight
-                < best.capacity * _bound_scale(candidates, self.load_factor, capacity)
+                or best.load < best.capacity * _bound_scale(candidates, self.load_factor, capacity)
             ):
                 chosen, policy = best, RoutingPolicy.LONGEST_PREFIX
         # total_kv_blocks=0 means not advertised: then the option alone bounds the index.
@@ -506,3 +523,156 @@ class LongestPrefixPolicy(Policy):
             {c.engine_id: c for c in candidates},
             sum(c.capacity for c in candidates),
         )
+
+
+class StateView(Protocol):
+    """What ``KvAwarePolicy`` reads of the engines' reported state (``EngineStates``)."""
+
+    def fresh_blocks(self, engine_id: str) -> Container[int] | None:
+        """The engine's cached block hashes if its state is synced and fresh, else None."""
+        ...
+
+
+class KvAwarePolicy(Policy):
+    """The engine that reports caching the most of the prompt, less a load cost, under the bound.
+
+    For each candidate: ``cached`` = the prompt's leading blocks it reports holding (the
+    engine's own KV events, relayed: ``states``, an ``EngineStates``; the prompt hashed as
+    Megatron hashes it, ``block_hashes``), and ``score = cached - load_weight x
+    utilisation x prompt_blocks`` with ``utilisation = load / capacity`` (``load``: the
+    shared load view, this router's handles plus what the others hold). The best score
+    among the candidates under their load bound (``load_factor``, as the prefix policies;
+    None: no bound) wins; exact ties and a prompt shorter than a block go to the least
+    loaded. A candidate whose state is missing, unsynced or stale (older than the
+    ``EngineStates``' ``stale_after``, 3 s by default) is scored, that engine alone, with
+    today's estimate: the blocks this router itself sent it recently (``longest_prefix``'s
+    index, bounded by ``prefix_index_blocks``); each such scoring counts in ``fallbacks``.
+    """
+
+    name = RoutingPolicy.KV_AWARE
+
+    def __init__(
+        self,
+        states: StateView,
+        *,
+        load_factor: float | None = DEFAULT_LOAD_FACTOR,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
+        prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS,
+    ) -> None:
+        if not load_weight >= 0:  # also rejects NaN
+            raise ValueError(f"load_weight must be >= 0, got {load_weight!r}")
+        self.load_factor = _check_load_factor(load_factor)
+        self.load_weight = float(load_weight)
+        self.prefix_index_blocks = _check_index_blocks(prefix_index_blocks)
+        self._states = states
+        self._estimate = _PrefixIndex()  # what this router sent: for engines without state
+        self._balance = LoadBalancedPolicy()
+        self._prepared = _PerCandidateSet(_by_block_size)
+        self.fallbacks = 0
+        """Candidates scored from this router's estimate (no fresh reported state)."""
+
+    def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
+        """The candidate with the best score under its bound, else the least loaded."""
+        groups, capacity = self._prepared(candidates)
+        least = self._balance.least_loaded(candidates)
+        tokens = request.prompt_tokens
+        scale = (
+            math.inf
+            if self.load_factor is None or len(candidates) == 1
+            else _bound_scale(candidates, self.load_factor, capacity)
+        )
+        weight = self.load_weight
+        best, best_score, best_cached = least, -math.inf, 0
+        hashes_of: dict[int, LazyBlockHashes] = {}
+        estimated: set[str] = set()
+        for size, group in groups.items():
+            hashes = hashes_of[size] = LazyBlockHashes(tokens, size)
+            if not len(hashes):
+                continue
+            cached, estimated_here = self._cached(group, hashes)
+            estimated |= estimated_here
+            cost = weight * len(hashes)
+            for candidate, blocks in cached.items():
+                if candidate.load >= scale * candidate.capacity:
+                    continue  # over its bound
+                score = blocks - cost * candidate.load / candidate.capacity
+                if score > best_score or (score == best_score and candidate._score < best._score):
+                    best, best_score, best_cached = candidate, score, blocks * size
+        self.fallbacks += len(estimated)
+        unmatched = -weight * len(hashes_of[least.block_size]) * least.load / least.capacity
+        if best_cached and best_score > unmatched:  # else no cache is worth its load
+            chosen, policy = best, RoutingPolicy.KV_AWARE
+        else:
+            chosen, policy, best_cached = least, RoutingPolicy.LOAD_BALANCED, 0
+        if chosen.engine_id in estimated or self._states.fresh_blocks(chosen.engine_id) is None:
+            # No state tells what it holds: remember what we send it (today's estimate).
+            limit = chosen.record.endpoint.capabilities.total_kv_blocks or self.prefix_index_blocks
+            hashes = hashes_of.get(chosen.block_size) or LazyBlockHashes(tokens, chosen.block_size)
+            self._estimate.record(
+                chosen.engine_id, min(limit, self.prefix_index_blocks), hashes.all()
+            )
+        return Choice(chosen, policy, best_cached)
+
+    def _cached(
+        self, group: Sequence[Candidate], hashes: LazyBlockHashes
+    ) -> tuple[dict[Candidate, int], set[str]]:
+        """Leading blocks each candidate holds (those holding at least one); the ids estimated."""
+        fresh: list[tuple[Candidate, Container[int]]] = []
+        stale: list[Candidate] = []
+        for candidate in group:
+            blocks = self._states.fresh_blocks(candidate.engine_id)
+            if blocks is None:
+                stale.append(candidate)
+            else:
+                fresh.append((candidate, blocks))
+        cached: dict[Candidate, int] = {}
+        depth = 0
+        while fresh:
+            block_hash = hashes.get(depth)
+            if block_hash is None:
+                break
+            still = [pair for pair in fresh if block_hash in pair[1]]
+            if depth and len(still) < len(fresh):
+                for candidate, blocks in fresh:
+                    if block_hash not in blocks:
+                        cached[candidate] = depth
+            fresh = still
+            depth += 1
+        for candidate, _ in fresh:
+            cached[candidate] = depth
+        if stale:
+            ids = frozenset(c.engine_id for c in stale)
+            estimate, holders = self._estimate.longest(_lazy_iter(hashes), ids)
+            for candidate in stale:
+                if candidate.engine_id in holders:
+                    cached[candidate] = estimate
+        return {c: n for c, n in cached.items() if n}, {c.engine_id for c in stale}
+
+    def forget(self, engine_id: str) -> None:
+        """Drop what this router estimated ``engine_id`` holds."""
+        self._estimate.forget(engine_id)
+
+
+def _lazy_iter(hashes: LazyBlockHashes) -> Iterator[int]:
+    index = 0
+    while (block_hash := hashes.get(index)) is not None:
+        yield block_hash
+        index += 1
+
+
+def _by_block_size(
+    candidates: Sequence[Candidate],
+) -> tuple[dict[int, tuple[Candidate, ...]], int]:
+    """The candidates per block size, and their capacity."""
+    groups: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        groups.setdefault(c.block_size, []).append(c)
+    return {size: tuple(g) for size, g in groups.items()}, sum(c.capacity for c in candidates)
+
+
+def _check_index_blocks(prefix_index_blocks: object) -> int:
+    if isinstance(prefix_index_blocks, bool) or not isinstance(prefix_index_blocks, int):
+        raise TypeError("prefix_index_blocks must be an integer")
+    if prefix_index_blocks <= 0:
+        raise ValueError(f"prefix_index_blocks must be positive, got {prefix_index_blocks}")
+    return prefix_index_blocks

@@ -21,7 +21,8 @@ The relay sends:
   or ``cleared``; ``seq`` is one more than the previous increment's.
 * ``["load", epoch, load]``: the load view, when it changed, at most ``1 / load_interval``
   times a second (10/s by default): ``{"in_flight": the sum of every live router's report,
-  "routers": how many reported, "engine": what the engine reports or None}``. Reports of a
+  "routers": how many reported, "yours": the report of the router it is sent to (so it
+  knows what the others hold), "engine": what the engine reports or None}``. Reports of a
   router not heard from for ``subscriber_timeout`` age out. (No public Megatron version
   reports load on its event socket yet: ``engine`` is None until one does.)
 * ``["tick", epoch, seq]`` every ``heartbeat`` s: a subscriber that missed the last
@@ -276,7 +277,7 @@ class StateRelay:
                 with self._lock:
                     load = self._load()
                 if load != load_sent and now >= load_due:
-                    self._send_all(sock, pack(["load", self.epoch, dict(load)]))
+                    self._send_loads(sock, pack, dict(load))
                     load_sent, load_due = load, now + self._load_interval
                 if now >= next_tick:
                     self._expire(now)
@@ -318,12 +319,23 @@ class StateRelay:
                     self._reports[identity] = max(0, request[1])
             if verb == "snapshot" or not known:
                 self._flush(sock, pack)  # increments up to the snapshot's seq go first
-                sock.send_multipart([identity, self._snapshot(pack)], zmq.NOBLOCK)
+                sock.send_multipart([identity, self._snapshot(pack, identity)], zmq.NOBLOCK)
 
-    def _snapshot(self, pack: Any) -> bytes:
+    def _snapshot(self, pack: Any, identity: bytes) -> bytes:
         with self._lock:
-            seq, hashes, load = self._seq, self._blocks.hashes(), self._load()
-        return bytes(pack(["hello", self.epoch, seq, pack_hashes(hashes), dict(load)]))
+            seq, hashes, load = self._seq, self._blocks.hashes(), dict(self._load())
+            load["yours"] = self._reports.get(identity, 0)
+        return bytes(pack(["hello", self.epoch, seq, pack_hashes(hashes), load]))
+
+    def _send_loads(self, sock: zmq.Socket[Any], pack: Any, load: dict[str, Any]) -> None:
+        """The load view to each subscriber, with its own report in it."""
+        import zmq  # noqa: PLC0415
+
+        with self._lock:
+            reports = {identity: self._reports.get(identity, 0) for identity in self._subscribers}
+        for identity, yours in reports.items():
+            frame = pack(["load", self.epoch, {**load, "yours": yours}])
+            sock.send_multipart([identity, frame], zmq.NOBLOCK)
 
     def _load(self) -> tuple[tuple[str, Any], ...]:
         """The load view (under the lock)."""

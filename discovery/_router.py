@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from ._errors import NoEngineAvailableError
 from ._fencing import (
@@ -81,9 +81,11 @@ from ._policies import (
     DEFAULT_INDEX_BLOCKS,
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_GAP,
+    DEFAULT_LOAD_WEIGHT,
     Candidate,
     Choice,
     FirstPrefixBlockPolicy,
+    KvAwarePolicy,
     LoadBalancedPolicy,
     LongestPrefixPolicy,
     PickRequest,
@@ -95,9 +97,14 @@ from ._record import EngineRecord, EngineStatus, RecordView, validate_status
 from ._routing import RoutingTable
 from ._store import RoutingSnapshot
 
+if TYPE_CHECKING:
+    from ._follower import EngineStates
+
 __all__ = ["PickHandle", "Router", "RouterHealth"]
 
 log = logging.getLogger(__name__)
+
+_CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
@@ -141,6 +148,8 @@ class RouterHealth:
     """Engine id -> consecutive failed requests, for every engine with at least one."""
     fence_limit: int
     """How many engines may be fenced at once (``max_fenced_share`` of ``engines``)."""
+    kv_fallbacks: int = 0
+    """``kv_aware``: candidates scored from this router's own estimate (no fresh state)."""
 
 
 class _Pool:
@@ -238,8 +247,12 @@ class Router:
         weight_version: Literal["latest"] | None = None,
         min_weight_version: int | None = None,
         max_version_lag: int | None = None,
+        states: EngineStates | None = None,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
     ) -> None:
         self._policy = _policy_argument(policy)
+        if self._policy is RoutingPolicy.KV_AWARE and states is None:
+            raise ValueError("kv_aware routes on what the engines report: give states=")
         self._versions = _Versions.of(weight_version, min_weight_version, max_version_lag)
         # Built eagerly so bad options fail here, not at the first pick.
         self._builtins: dict[RoutingPolicy, Policy] = {
@@ -252,6 +265,16 @@ class Router:
                 prefix_index_blocks=prefix_index_blocks,
             ),
         }
+        self._states = states
+        self._load_changes = None if states is None else states.load_changes()
+        if states is not None:
+            states.add_load_source(self.in_flight)  # one load view across routers
+            self._builtins[RoutingPolicy.KV_AWARE] = KvAwarePolicy(
+                states,
+                load_factor=load_factor,
+                load_weight=load_weight,
+                prefix_index_blocks=prefix_index_blocks,
+            )
         self._fences = FenceBook(
             after=fence_after,
             seconds=fence_seconds,
@@ -352,6 +375,7 @@ class Router:
                 ),
                 failing=MappingProxyType(self._fences.failures()),
                 fence_limit=self._fences.limit(len(self._engines)),
+                kv_fallbacks=getattr(self._builtins.get(RoutingPolicy.KV_AWARE), "fallbacks", 0),
             )
 
     def __repr__(self) -> str:
@@ -395,6 +419,12 @@ class Router:
             self._sync_locked(snapshot)
         if self._fences.expire():
             self._pools.clear()
+        changes = self._load_changes
+        if changes:  # what other routers hold: only the engines whose figure changed
+            while changes:
+                engine = self._engines.get(changes.popleft())
+                if engine is not None:
+                    engine._set_others(self._others(engine.engine_id))
 
     def _sync_locked(self, snapshot: RoutingSnapshot) -> None:
         """Rebuild the derived state for a new table snapshot."""
@@ -405,6 +435,8 @@ class Router:
             engine = self._engines.get(engine_id)
             if engine is None:
                 engine = Candidate(record)
+                if self._states is not None:
+                    engine._set_others(self._others(engine_id))
             elif engine.record is not record:
                 if record.endpoint.capabilities.kv_cache_block_size != engine.block_size:
                     self._forget_locked(engine_id)  # its hashes no longer describe its blocks
@@ -423,6 +455,11 @@ class Router:
         self._min_context = ordered[-1].context_length if ordered else 0
         self._pools.clear()
         self._snapshot = snapshot
+
+    def _others(self, engine_id: str) -> int:
+        """What other routers hold on the engine (0 without fresh state: ours alone)."""
+        assert self._states is not None
+        return self._states.others(engine_id) or 0
 
     def _forget_locked(self, engine_id: str) -> None:
         for policy in self._builtins.values():
@@ -530,7 +567,16 @@ class Router:
                 name += f" ({e.block_size}-token blocks)"
             groups[name] = groups.get(name, 0) + 1
         if len(groups) == 1:
-            return self._builtins[engines[0].advertised]
+            advertised = engines[0].advertised
+            if (
+                advertised in _CACHE_AFFINE
+                and RoutingPolicy.KV_AWARE in self._builtins
+                and all(e.record.state_address for e in engines)
+            ):
+                # The engines ask for cache affinity and report their caches: the truth
+                # serves it better than a guess.
+                return self._builtins[RoutingPolicy.KV_AWARE]
+            return self._builtins[advertised]
         self._warn_once(
             frozenset(groups),
             "auto: candidate engines advertise different routing (%s); load-balancing across "

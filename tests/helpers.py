@@ -412,3 +412,27 @@ def losses_after_a_mass_loss(cluster: EtcdCluster, regs: Sequence[Any], ttl: flo
     settled = time.monotonic()
     wait_for(lambda: time.monotonic() - settled > 2 * ttl, timeout=60, message="two TTLs")
     return Counter(r.health().losses for r in regs)
+
+
+class RankZero:
+    """Megatron's side of the engine-event socket, as its EngineEventReporter sets it up."""
+
+    def __init__(self, address: str) -> None:
+        import zmq  # noqa: PLC0415 - the launch extra
+
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, kind: str, payload: object) -> None:
+        import msgpack  # noqa: PLC0415
+
+        self.sock.send(msgpack.packb([kind, payload], use_bin_type=True))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.context.term()

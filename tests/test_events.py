@@ -11,7 +11,6 @@ import time
 
 import msgpack
 import pytest
-import zmq
 
 from discovery import (
     ClosedError,
@@ -28,7 +27,15 @@ from discovery import (
 )
 from discovery._events import READY_SHAPES, decode_frame, parse_ready
 
-from .helpers import MEGATRON_FIELDS, WatchLog, caps_kwargs, get_kv, make_endpoint, wait_for
+from .helpers import (
+    MEGATRON_FIELDS,
+    RankZero,
+    WatchLog,
+    caps_kwargs,
+    get_kv,
+    make_endpoint,
+    wait_for,
+)
 
 
 class MegatronPolicy(str, enum.Enum):  # noqa: UP042 - Megatron's is (str, Enum)
@@ -47,26 +54,6 @@ def megatron_to_dict(address: str = "tcp://10.9.0.1:41000", **capabilities) -> d
     values.update(capabilities)
     assert tuple(values) == MEGATRON_FIELDS
     return {"coordinator_address": address, "capabilities": values}
-
-
-class RankZero:
-    """Megatron's side of the socket, as its EngineEventReporter sets it up and sends."""
-
-    def __init__(self, address: str) -> None:
-        self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def send(self, kind: str, payload: object) -> None:
-        self.sock.send(msgpack.packb([kind, payload], use_bin_type=True))
-
-    def send_raw(self, frame: bytes) -> None:
-        self.sock.send(frame)
-
-    def close(self) -> None:
-        self.sock.close()
-        self.context.term()
 
 
 @pytest.fixture

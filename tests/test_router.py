@@ -27,6 +27,7 @@ from discovery import (
     Candidate,
     Choice,
     DiscoveryError,
+    EngineStates,
     EventType,
     FirstPrefixBlockPolicy,
     LoadBalancedPolicy,
@@ -134,6 +135,7 @@ def test_public_names_and_error_hierarchy() -> None:
         "load_balanced",
         "first_prefix_block",
         "longest_prefix",
+        "kv_aware",
         "auto",
     ]
     # The three advertised policies use Megatron's own values.
@@ -794,11 +796,16 @@ def test_no_engine_errors_name_the_reason() -> None:
 # -- consistency with the table --------------------------------------------------------
 
 
+def any_router(table, policy: RoutingPolicy) -> Router:
+    """A router of ``policy``; kv_aware's on states that know no engine (all estimated)."""
+    return Router(table, policy=policy, states=EngineStates(table))
+
+
 @pytest.mark.parametrize("policy", list(RoutingPolicy))
 def test_a_removed_engine_is_never_picked_and_its_handles_release(policy) -> None:
     fleet = Fleet()
     ids = fleet.add_many(4, kv_cache_block_size=16, policy=LP)
-    router = Router(fleet.table, policy=policy)
+    router = any_router(fleet.table, policy)
     rng = random.Random(9)
     workload = [tokens(rng, 64) for _ in range(50)]
     held = [router.pick(prompt, 1) for prompt in workload for _ in range(2)]
@@ -836,7 +843,7 @@ def test_concurrent_picks_and_releases_balance_out() -> None:
     fleet.add_many(8, kv_cache_block_size=16, policy=LP)
     errors: list[BaseException] = []
     for policy in RoutingPolicy:
-        router = Router(fleet.table, policy=policy)
+        router = any_router(fleet.table, policy)
 
         def work(seed: int, router: Router = router) -> None:
             rng = random.Random(seed)
