@@ -2,13 +2,14 @@
 
 Nothing is registered anywhere unless a caller builds a ``Metrics`` on a
 ``prometheus_client.CollectorRegistry`` and hands it to ``register_engine``,
-``EndpointWatcher``, ``RoutingTable`` or ``Router`` (``metrics=``). Components call the
-hooks of ``MetricsHooks``, a typed protocol (a misspelled hook is a type error); given
-no ``Metrics`` they use ``NO_METRICS``, whose hooks do nothing.
+``EndpointWatcher``, ``RoutingTable``, ``Router`` or ``Connection`` (``metrics=``).
+Components call the hooks of ``MetricsHooks``, a typed protocol (a misspelled hook is a
+type error); given no ``Metrics`` they use ``NO_METRICS``, whose hooks do nothing.
 
 Names follow Prometheus conventions: ``discovery_`` prefix, ``_total`` counters, seconds.
 Labels stay bounded: ``engine_id`` (engines this process registers or routes to),
-``prefix`` (watched prefixes), small enums (``state``, ``type``, ``cause``, ``policy``).
+``prefix`` (watched prefixes), small enums (``state``, ``type``, ``cause``, ``policy``,
+``change``).
 Gauges that describe live objects are read at scrape time, so hot paths pay nothing.
 """
 
@@ -66,6 +67,13 @@ class MetricsHooks(Protocol):
 
     def engine_event(self, outcome: str) -> None:
         """An engine-event frame arrived: ``ready``, ``ignored``, ``malformed``, ``rejected``."""
+        return None
+
+    def etcd_endpoints(self, known: int, *, added: int = 0, removed: int = 0) -> None:
+        """A connection knows ``known`` etcd endpoints.
+
+        ``added`` and ``removed``: what following the cluster's membership just changed.
+        """
         return None
 
     def watcher_connected(self, prefix: str, connected: bool) -> None:
@@ -240,6 +248,18 @@ class Metrics(MetricsHooks):
             "discovery_router_fence_limited_total",
             "Failed requests whose engine stayed in rotation: max_fenced_share was reached.",
         )
+        # etcd connection
+        self._endpoint_changes = counter(
+            "discovery_etcd_endpoint_changes_total",
+            "etcd endpoints added to or removed from a connection, following the cluster's "
+            "membership.",
+            ("change",),
+        )
+        self._endpoints = gauge(
+            "discovery_etcd_endpoints",
+            "etcd endpoints a connection knows: the configured ones, then the members' "
+            "client URLs (the last connection to change).",
+        )
         registry.register(_LiveCollector(self))
 
     # -- registration ------------------------------------------------------------------
@@ -295,6 +315,16 @@ class Metrics(MetricsHooks):
     def engine_event(self, outcome: str) -> None:
         """Count one engine-event frame by its outcome."""
         self._engine_events.labels(outcome).inc()
+
+    # -- etcd connection ---------------------------------------------------------------
+
+    def etcd_endpoints(self, known: int, *, added: int = 0, removed: int = 0) -> None:
+        """Set the known-endpoints gauge; count the endpoints added and removed."""
+        self._endpoints.set(known)
+        if added:
+            self._endpoint_changes.labels("added").inc(added)
+        if removed:
+            self._endpoint_changes.labels("removed").inc(removed)
 
     # -- watcher -----------------------------------------------------------------------
 
