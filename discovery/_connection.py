@@ -183,7 +183,7 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, ValueError) and "failed node" in str(exc):
         return True  # python3-etcd3's Endpoint.use() on a benched member
-    if isinstance(exc, ValueError) and "closed channel" in str(exc):
+    if _closed_channel(exc):
         return True  # a member's channel closed under the call (it left the cluster)
     rpc = _rpc_error(exc)
     return rpc is not None and rpc.code() in _TRANSIENT_CODES
@@ -209,6 +209,10 @@ def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryErr
             hint = " (TLS failed: check ca_cert, and cert/key when etcd requires client certs)"
         return EtcdUnavailableError(f"etcd unavailable at {where}: {what}{hint}", what)
     return EtcdError(f"etcd request failed: {what}")
+
+
+def _closed_channel(exc: BaseException) -> bool:
+    return isinstance(exc, ValueError) and "closed channel" in str(exc)
 
 
 def _token_expired(exc: BaseException) -> bool:
@@ -604,6 +608,10 @@ class Connection:
             if client is not None and _token_expired(exc):
                 self._reset_client(client)
                 raise translate(_TokenExpired(), self._endpoints) from exc
+            if client is not None and _closed_channel(exc):
+                # A stub cached on a removed member's channel (built while replace_members
+                # ran): the retry builds it again on the member in use.
+                client._clear_old_stubs()
             raise translate(exc, self._endpoints) from exc
 
     def call(self, op: Callable[[], T], *, timeout: float | None = None) -> T:
