@@ -355,9 +355,10 @@ class EtcdCluster:
         listed = self.etcdctl("member", "list", "-w", "json", endpoints=others)
         if listed.returncode != 0:
             raise EtcdStartError(f"etcdctl member list: {listed.stderr.strip()}")
-        (member_id,) = [
-            m["ID"] for m in json.loads(listed.stdout)["members"] if m.get("name") == member.name
-        ]
+        ids = {m.get("name"): m["ID"] for m in json.loads(listed.stdout)["members"]}
+        if member.name not in ids:
+            raise EtcdStartError(f"{member.name} is not a member of the cluster")
+        member_id = ids[member.name]
         self._reconfigure(timeout, "member", "remove", f"{member_id:x}", endpoints=others)
         self.members.remove(member)
         self.removed.append(member)
