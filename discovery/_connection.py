@@ -28,17 +28,28 @@ engines. It owns:
   * an expired auth token: the client is rebuilt (re-authenticating) and the call retried;
   * with a username on a plaintext channel every call fails ("insufficient security level
     to transfer call credential"): the token is sent as metadata only;
-  * prefix reads over gRPC's 4 MiB limit: ``list_prefix`` pages at one fixed revision.
+  * prefix reads over gRPC's 4 MiB limit: ``list_prefix`` pages at one fixed revision;
+  * it only knows the endpoints it was given: once the last of them has left the
+    cluster (members replaced at runtime) it is blind. With ``settings.member_sync`` the
+    connection follows the membership, like etcd's Go client with ``AutoSyncInterval``:
+    a ``discovery-member-sync`` thread replaces the endpoints with the client URLs of
+    etcd's member list every ``member_sync_interval`` seconds and after every failover.
+    Removed members' channels are closed (their streams end and move to a listed
+    member). It never follows an etcd gRPC proxy (its member list names one member of
+    id 0, itself) nor a member list that does not name the URL it was asked through (a
+    load balancer, a NAT, members advertising other names): those keep their endpoints.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import etcd3
@@ -48,6 +59,7 @@ from etcd3 import etcdrpc
 from etcd3.client import EtcdTokenCallCredentials
 from etcd3.transactions import BaseCompare, Txn
 from etcd3.utils import prefix_range_end
+from google.protobuf.unknown_fields import UnknownFieldSet
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -60,11 +72,13 @@ from tenacity import (
 from ._backoff import CALL
 from ._errors import (
     ClosedError,
+    ConfigurationError,
     DiscoveryError,
     EtcdError,
     EtcdUnavailableError,
     PermissionDeniedError,
 )
+from ._metrics import NO_METRICS, MetricsHooks
 from ._port import (
     MAX_BATCH,
     PAGE_SIZE,
@@ -79,7 +93,7 @@ from ._port import (
     WatchResponse,
     explain,
 )
-from ._settings import Settings
+from ._settings import Settings, parse_endpoint
 
 __all__ = ["Connection"]
 
@@ -89,6 +103,10 @@ T = TypeVar("T")
 _Client = Any  # etcd3.MultiEndpointEtcd3Client: the library ships no type information
 
 _FAILED_MEMBER_COOLDOWN = 5.0
+# Failovers come in bursts (every stream and call of a connection fails over at once):
+# one member-list refresh for them all, and none in a tight loop while etcd is down.
+_MEMBER_SYNC_MIN_GAP = 0.5
+_LEARNER_FIELD = 5  # etcdserverpb.Member.isLearner: newer than python3-etcd3's stubs
 _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -165,6 +183,8 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, ValueError) and "failed node" in str(exc):
         return True  # python3-etcd3's Endpoint.use() on a benched member
+    if _closed_channel(exc):
+        return True  # a member's channel closed under the call (it left the cluster)
     rpc = _rpc_error(exc)
     return rpc is not None and rpc.code() in _TRANSIENT_CODES
 
@@ -189,6 +209,10 @@ def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryErr
             hint = " (TLS failed: check ca_cert, and cert/key when etcd requires client certs)"
         return EtcdUnavailableError(f"etcd unavailable at {where}: {what}{hint}", what)
     return EtcdError(f"etcd request failed: {what}")
+
+
+def _closed_channel(exc: BaseException) -> bool:
+    return isinstance(exc, ValueError) and "closed channel" in str(exc)
 
 
 def _token_expired(exc: BaseException) -> bool:
@@ -252,18 +276,28 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
     Upstream also authenticates with one member chosen at random and no failover: a
     member that does not answer (a name that does not resolve) failed the whole client.
     Here a member that fails to answer is benched and the next one tried.
+
+    The members can change while the client is in use (``replace_members``):
+    ``endpoints`` is then replaced whole, never changed in place, so a thread reading it
+    meanwhile sees the old members or the new ones. ``on_failover`` is called whenever
+    the client moves away from a failed member.
     """
 
     call_credentials: grpc.CallCredentials | None  # None on a plaintext channel
+    endpoints: dict[str, etcd3.Endpoint]  # by label (host:port)
 
     def __init__(
         self,
         *,
         endpoints: list[etcd3.Endpoint],
+        new_member: Callable[[str], etcd3.Endpoint],
+        on_failover: Callable[[], None],
         timeout: float,
         user: str | None,
         password: str | None,
     ) -> None:
+        self._new_member = new_member
+        self._on_failover = on_failover
         super().__init__(endpoints=endpoints, timeout=timeout, failover=True)
         if user is not None and password is not None:
             self._authenticate(etcdrpc.AuthenticateRequest(name=user, password=password))
@@ -286,20 +320,45 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
             return
 
     @property
+    def endpoint_in_use(self) -> etcd3.Endpoint:
+        members = self.endpoints  # read once: replace_members swaps it whole
+        # The label may name a member replace_members has just dropped: any other will do.
+        return members.get(self._current_endpoint_label) or next(iter(members.values()))
+
+    @property
     def channel(self) -> grpc.Channel:
         current = self.endpoint_in_use
         if not current.is_failed():
             channel: grpc.Channel = current.use()
             return channel
-        healthy = [label for label, ep in self.endpoints.items() if not ep.is_failed()]
+        self._on_failover()
+        members = self.endpoints
+        healthy = [label for label, ep in members.items() if not ep.is_failed()]
         if healthy:
             label = random.choice(healthy)
         else:
-            label = min(self.endpoints, key=lambda name: self.endpoints[name].last_failed)
-            self.endpoints[label].last_failed = 0  # try it now; a new failure benches it
+            label = min(members, key=lambda name: members[name].last_failed)
+            members[label].last_failed = 0  # try it now; a new failure benches it
         self._current_endpoint_label = label
-        channel = self.endpoints[label].use()
+        channel = members[label].use()
         return channel
+
+    def replace_members(self, urls: Sequence[str]) -> None:
+        """Use the members at ``urls`` from now on, and close the others' channels.
+
+        A member kept keeps its channel and the streams on it. A stream on a closed
+        channel ends with an error and its owner opens it again on a listed member.
+        """
+        old = self.endpoints
+        members = {_netloc(url): old.get(_netloc(url)) or self._new_member(url) for url in urls}
+        if self._current_endpoint_label not in members:
+            healthy = [label for label, ep in members.items() if not ep.is_failed()]
+            # Also drops the stubs bound to the old member's channel.
+            self._current_endpoint_label = random.choice(healthy or list(members))
+        self.endpoints = members
+        for label, member in old.items():
+            if label not in members:
+                member.close()
 
 
 class Connection:
@@ -308,14 +367,25 @@ class Connection:
     The python3-etcd3 implementation of the etcd port. Thread-safe: registrations,
     watchers and user threads share one Connection. Every method below makes one
     attempt and raises discovery's exceptions; ``call`` retries transient failures.
+    With ``settings.member_sync`` it follows the cluster's membership (``endpoints``);
+    ``metrics`` hears which endpoints it knows.
     """
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(
+        self, settings: Settings | None = None, *, metrics: MetricsHooks | None = None
+    ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
+        self._metrics = metrics or NO_METRICS
         self._lock = threading.Lock()
         self._client: _Client | None = None
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
+        self._endpoints = tuple(self.settings.endpoints)
+        # Member sync: the thread waits on _sync_due for its period or a failover.
+        self._sync_due = threading.Condition()
+        self._sync_asked = False
+        self._sync_thread: threading.Thread | None = None
+        self._not_followed = ""  # why the last member list was not followed (logged once)
 
     # -- client lifecycle -------------------------------------------------------------
 
@@ -326,6 +396,12 @@ class Connection:
                 raise ClosedError("connection is closed")
             if self._client is None:
                 self._client = self._build_client()
+                self._metrics.etcd_endpoints(len(self._endpoints))
+                if self.settings.member_sync and self._sync_thread is None:
+                    self._sync_thread = threading.Thread(
+                        target=self._sync_members, name="discovery-member-sync", daemon=True
+                    )
+                    self._sync_thread.start()
             return self._client
 
     def _build_client(self) -> _Client:
@@ -337,23 +413,14 @@ class Connection:
                 private_key=_read(s.key),
                 certificate_chain=_read(s.cert),
             )
-        members = []
-        for url in s.endpoints:
-            host, port = url.split("://", 1)[1].rsplit(":", 1)
-            members.append(
-                etcd3.Endpoint(
-                    host.strip("[]"),
-                    int(port),
-                    secure=s.secure,
-                    creds=creds,
-                    time_retry=_FAILED_MEMBER_COOLDOWN,
-                    opts=_GRPC_OPTIONS,
-                )
-            )
+        new_member = functools.partial(_member, secure=s.secure, creds=creds)
+        members = [new_member(url) for url in self._endpoints]
         try:
             # Authenticates at once when credentials are set; members are tried in turn.
             client = _FailoverClient(
                 endpoints=members,
+                new_member=new_member,
+                on_failover=self._failed_over,
                 timeout=s.request_timeout,
                 user=s.username,
                 password=s.read_password(),  # a rotated password file is read again
@@ -373,6 +440,110 @@ class Connection:
             if self._client is broken:
                 self._client = None
         broken.close()
+
+    # -- following the cluster's membership (settings.member_sync) -------------------------
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The etcd URLs in use.
+
+        The configured ones, then (``settings.member_sync``) the client URLs of the
+        cluster's members.
+        """
+        return self._endpoints
+
+    def _failed_over(self) -> None:
+        """The client moved away from a failed member: the members may have changed."""
+        with self._sync_due:
+            self._sync_asked = True
+            self._sync_due.notify()
+
+    def _sync_members(self) -> None:
+        """The ``discovery-member-sync`` thread: refresh when due, until the connection closes."""
+        interval = self.settings.member_sync_interval or math.inf  # 0: after failovers only
+        periodic = time.monotonic() + interval
+        earliest = 0.0  # of a refresh asked for by a failover
+        while True:
+            with self._sync_due:
+                while not self._closed:
+                    now = time.monotonic()
+                    due = min(periodic, max(earliest, now) if self._sync_asked else math.inf)
+                    if due <= now:
+                        break
+                    self._sync_due.wait(None if due == math.inf else due - now)
+                if self._closed:
+                    return
+                self._sync_asked = False
+            self._refresh_members()
+            earliest = time.monotonic() + _MEMBER_SYNC_MIN_GAP
+            periodic = time.monotonic() + interval
+
+    def _refresh_members(self) -> None:
+        """Read the member list and follow it; a failed read keeps the endpoints."""
+        try:
+            client = self._current()
+        except DiscoveryError:
+            return  # closed, or etcd refuses the credentials: the callers hear of it
+        channel = client.channel
+        member = client.endpoint_in_use
+        try:
+            members = (
+                etcdrpc.ClusterStub(channel)
+                .MemberList(
+                    etcdrpc.MemberListRequest(),
+                    client.timeout,
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
+                .members
+            )
+        except Exception as exc:  # etcd unreachable: its callers say so
+            rpc = _rpc_error(exc)
+            if rpc is not None and rpc.code() in _MEMBER_FAILURE_CODES:
+                # Benched: the next refresh (soon: this is a failover) asks another member.
+                member.fail()
+            log.debug("etcd member list not read, endpoints kept: %s", describe(exc))
+            return
+        self._follow(client, member.netloc, members)
+
+    def _follow(self, client: _FailoverClient, asked: str, members: Sequence[Any]) -> None:
+        """Use the client URLs of ``members``, read through ``asked``, if they can be trusted.
+
+        Else keep the endpoints, and say why (once).
+        """
+        urls = _client_urls(members, "https" if self.settings.secure else "http")
+        why_not = ""
+        if any(member.ID == 0 for member in members):
+            why_not = f"{asked} is an etcd gRPC proxy (its member list names itself, id 0)"
+        elif urls and asked not in {_netloc(url) for url in urls}:
+            why_not = (
+                f"the member list read through {asked} does not name it ({', '.join(urls)}): "
+                "a load balancer, a NAT, or members advertising other client URLs"
+            )
+        if why_not and why_not != self._not_followed:
+            log.warning(
+                "not following etcd membership changes: %s; endpoints kept: %s (turn member "
+                "sync off there: DISCOVERY_MEMBER_SYNC=0)",
+                why_not,
+                ", ".join(self._endpoints),
+            )
+        self._not_followed = why_not
+        if why_not or not urls:
+            return
+        with self._lock:
+            if self._client is not client or set(urls) == set(self._endpoints):
+                return
+            before, self._endpoints = self._endpoints, urls
+            client.replace_members(urls)
+        added = [url for url in urls if url not in before]
+        removed = [url for url in before if url not in urls]
+        log.info(
+            "etcd membership changed: endpoints now %s (added: %s; removed: %s)",
+            ", ".join(urls),
+            ", ".join(added) or "none",
+            ", ".join(removed) or "none",
+        )
+        self._metrics.etcd_endpoints(len(urls), added=len(added), removed=len(removed))
 
     @property
     def dial_timeout(self) -> float:
@@ -406,7 +577,11 @@ class Connection:
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
-            client.close()
+            client.close()  # also ends a member-list read in flight
+        with self._sync_due:
+            self._sync_due.notify()
+        if self._sync_thread is not None:
+            self._sync_thread.join()
 
     def __enter__(self) -> Connection:
         return self
@@ -432,8 +607,12 @@ class Connection:
         except Exception as exc:
             if client is not None and _token_expired(exc):
                 self._reset_client(client)
-                raise translate(_TokenExpired(), self.settings.endpoints) from exc
-            raise translate(exc, self.settings.endpoints) from exc
+                raise translate(_TokenExpired(), self._endpoints) from exc
+            if client is not None and _closed_channel(exc):
+                # A stub cached on a removed member's channel (built while replace_members
+                # ran): the retry builds it again on the member in use.
+                client._clear_old_stubs()
+            raise translate(exc, self._endpoints) from exc
 
     def call(self, op: Callable[[], T], *, timeout: float | None = None) -> T:
         """Run ``op`` with retries of transient failures for up to ``timeout`` seconds.
@@ -683,6 +862,50 @@ class Connection:
     def open_keepalive(self) -> _KeepAliveStream:
         """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _netloc(url: str) -> str:
+    """The label python3-etcd3 gives the member at ``url`` (``scheme://host:port``)."""
+    return "{}:{}".format(*_host_port(url))
+
+
+def _member(url: str, *, secure: bool, creds: grpc.ChannelCredentials | None) -> etcd3.Endpoint:
+    """A python3-etcd3 endpoint for ``url``, benched for a few seconds when it fails."""
+    host, port = _host_port(url)
+    return etcd3.Endpoint(
+        host,
+        port,
+        secure=secure,
+        creds=creds,
+        time_retry=_FAILED_MEMBER_COOLDOWN,
+        opts=_GRPC_OPTIONS,
+    )
+
+
+def _client_urls(members: Iterable[Any], scheme: str) -> tuple[str, ...]:
+    """The client URLs of the listed voting members, as ``scheme://host:port``.
+
+    A member added but not started yet has none; a learner is left out (it refuses most
+    requests); so are URLs of another scheme, which the connection's TLS settings do not
+    fit. A URL without a scheme (what an etcd gRPC proxy advertises) gets ``scheme``.
+    """
+    urls: dict[str, None] = {}  # ordered, without repeats
+    for member in members:
+        if any(f.field_number == _LEARNER_FIELD and f.data for f in UnknownFieldSet(member)):
+            continue
+        for raw in member.clientURLs:
+            try:
+                url = parse_endpoint(raw if "://" in raw else f"{scheme}://{raw}")
+            except ConfigurationError:
+                continue  # unix:// and the like
+            if url.startswith(f"{scheme}://"):
+                urls[url] = None
+    return tuple(urls)
 
 
 def _read(path: str | None) -> bytes | None:

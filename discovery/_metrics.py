@@ -2,15 +2,15 @@
 
 Nothing is registered anywhere unless a caller builds a ``Metrics`` on a
 ``prometheus_client.CollectorRegistry`` and hands it to ``register_engine``,
-``EndpointWatcher``, ``RoutingTable`` or ``Router`` (``metrics=``). Components call the
-hooks of ``MetricsHooks``, a typed protocol (a misspelled hook is a type error); given
-no ``Metrics`` they use ``NO_METRICS``, whose hooks do nothing.
+``EndpointWatcher``, ``RoutingTable``, ``Router`` or ``Connection`` (``metrics=``).
+Components call the hooks of ``MetricsHooks``, a typed protocol (a misspelled hook is a
+type error); given no ``Metrics`` they use ``NO_METRICS``, whose hooks do nothing.
 
 Names follow Prometheus conventions: ``discovery_`` prefix, ``_total`` counters, seconds.
 Labels stay bounded: ``engine_id`` (engines this process registers or routes to),
 ``prefix`` (watched prefixes), small enums (``state``, ``status``, ``type``, ``cause``,
-``policy``), and ``weight_version``: per table, only the ``MAX_VERSION_LABELS`` highest
-versions present get a value of their own; lower ones count as ``older`` and engines
+``policy``, ``change``), and ``weight_version``: per table, only the ``MAX_VERSION_LABELS``
+highest versions present get a value of their own; lower ones count as ``older`` and engines
 without a version as ``none`` (so at most ``MAX_VERSION_LABELS + 2`` values per table, and
 a version's series go once no engine carries it).
 Gauges that describe live objects are read at scrape time, so hot paths pay nothing.
@@ -89,6 +89,13 @@ class MetricsHooks(Protocol):
 
     def observe_engine_states(self, states: Any) -> None:
         """Read ``states`` (an ``EngineStates``) at scrape time: ages and blocks."""
+        return None
+
+    def etcd_endpoints(self, known: int, *, added: int = 0, removed: int = 0) -> None:
+        """A connection knows ``known`` etcd endpoints.
+
+        ``added`` and ``removed``: what following the cluster's membership just changed.
+        """
         return None
 
     def watcher_connected(self, prefix: str, connected: bool) -> None:
@@ -278,6 +285,18 @@ class Metrics(MetricsHooks):
             "discovery_router_fence_limited_total",
             "Failed requests whose engine stayed in rotation: max_fenced_share was reached.",
         )
+        # etcd connection
+        self._endpoint_changes = counter(
+            "discovery_etcd_endpoint_changes_total",
+            "etcd endpoints added to or removed from a connection, following the cluster's "
+            "membership.",
+            ("change",),
+        )
+        self._endpoints = gauge(
+            "discovery_etcd_endpoints",
+            "etcd endpoints a connection knows: the configured ones, then the members' "
+            "client URLs (the last connection to change).",
+        )
         registry.register(_LiveCollector(self))
 
     # -- registration ------------------------------------------------------------------
@@ -347,6 +366,16 @@ class Metrics(MetricsHooks):
     def observe_engine_states(self, states: Any) -> None:
         """Export ``states``' per-engine ages and block counts at scrape time."""
         self._engine_states.add(states)
+
+    # -- etcd connection ---------------------------------------------------------------
+
+    def etcd_endpoints(self, known: int, *, added: int = 0, removed: int = 0) -> None:
+        """Set the known-endpoints gauge; count the endpoints added and removed."""
+        self._endpoints.set(known)
+        if added:
+            self._endpoint_changes.labels("added").inc(added)
+        if removed:
+            self._endpoint_changes.labels("removed").inc(removed)
 
     # -- watcher -----------------------------------------------------------------------
 

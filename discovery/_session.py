@@ -118,8 +118,8 @@ class Session:
         self._owns_connection = connection is None
         self.keyspace: KeySpace = keyspace_for(settings, connection)
         """The key layout of the session's records."""
-        self._conn: EtcdPort = connect(settings) if connection is None else connection
         self._metrics = metrics or NO_METRICS
+        self._conn: EtcdPort = connect(settings, metrics) if connection is None else connection
         self._lock = threading.Lock()
         # Held by a repair (grant + writes) and by close(), so that close() never races a
         # repair that would leave a fresh lease or record behind.

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, KeySpace
@@ -41,7 +41,10 @@ _ENV_NAMES = {
     "password": "ETCD_PASSWORD",
     "password_file": "ETCD_PASSWORD_FILE",
     "allow_insecure_auth": "ALLOW_INSECURE_AUTH",
+    "member_sync": "MEMBER_SYNC",
+    "member_sync_interval": "MEMBER_SYNC_INTERVAL",
 }
+_SWITCHES = ("allow_insecure_auth", "member_sync")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 # Set once the opt-in to credentials over http:// has been logged: one warning per process.
@@ -63,6 +66,12 @@ class Settings:
     alternative to ``password``: the file is read again every time the client
     authenticates, so a rotated secret is picked up without a restart.
 
+    ``member_sync`` (on by default) makes the connection follow the cluster's membership:
+    it replaces its endpoints with the client URLs of etcd's member list every
+    ``member_sync_interval`` seconds (0: never periodically) and after every failover,
+    so members added and removed at runtime are found and left. Turn it off when the
+    endpoints are an etcd gRPC proxy or a load balancer: that address is the one to keep.
+
     A username with ``http://`` endpoints is refused: etcd's Authenticate call would
     carry the password in clear. ``allow_insecure_auth=True`` accepts that (a local
     test etcd, say) and logs one warning per process.
@@ -81,6 +90,8 @@ class Settings:
     password: str | None = None
     password_file: str | None = None
     allow_insecure_auth: bool = False
+    member_sync: bool = True
+    member_sync_interval: float = 30.0
 
     def __post_init__(self) -> None:
         """Normalise and check every field; raise ConfigurationError on the first problem."""
@@ -91,7 +102,7 @@ class Settings:
             raise ConfigurationError(
                 "endpoints must be a comma-separated string or a sequence of strings"
             )
-        normalised = tuple(_parse_endpoint(e) for e in endpoints if e.strip())
+        normalised = tuple(parse_endpoint(e) for e in endpoints if e.strip())
         if not normalised:
             raise ConfigurationError("endpoints: at least one etcd endpoint is required")
         object.__setattr__(self, "endpoints", normalised)
@@ -104,6 +115,15 @@ class Settings:
             raise ConfigurationError(str(exc)) from exc
         for name in ("dial_timeout", "request_timeout", "election_timeout"):
             object.__setattr__(self, name, positive_seconds(name, getattr(self, name)))
+        interval = self.member_sync_interval
+        if isinstance(interval, bool) or not (interval == 0 or _is_positive_seconds(interval)):
+            raise ConfigurationError(
+                "member_sync_interval must be a positive number of seconds, or 0 (no "
+                "periodic refresh)"
+            )
+        object.__setattr__(self, "member_sync_interval", float(interval))
+        if not isinstance(self.member_sync, bool):
+            raise ConfigurationError("member_sync must be True or False")
         self._check_tls(tls=secure == {True})
         if self.password is not None and self.password_file is not None:
             raise ConfigurationError("give password or password_file, not both")
@@ -210,14 +230,18 @@ class Settings:
 
 def positive_seconds(name: str, value: object, *, finite: bool = True) -> float:
     """``value`` as seconds if it is a positive (``finite``) number, else ConfigurationError."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not value > 0
-        or (finite and not math.isfinite(value))
-    ):
+    if not _is_positive_seconds(value, finite=finite):
         raise ConfigurationError(f"{name} must be a positive number of seconds")
     return float(value)
+
+
+def _is_positive_seconds(value: object, *, finite: bool = True) -> TypeGuard[int | float]:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and value > 0
+        and (not finite or math.isfinite(value))
+    )
 
 
 def env_names() -> dict[str, str]:
@@ -225,7 +249,8 @@ def env_names() -> dict[str, str]:
     return {field: ENV_PREFIX + suffix for field, suffix in _ENV_NAMES.items()}
 
 
-def _parse_endpoint(text: str) -> str:
+def parse_endpoint(text: str) -> str:
+    """``text`` as ``http(s)://host:port`` (http and 2379 if not given), or ConfigurationError."""
     raw = text.strip()
     raw = raw if "://" in raw else f"http://{raw}"
     if "@" in raw:
@@ -254,13 +279,13 @@ def _parse_endpoint(text: str) -> str:
 
 
 def _parse_env(name: str, suffix: str, raw: str) -> str | float | bool:
-    if name == "allow_insecure_auth":
+    if name in _SWITCHES:
         if raw.strip().lower() in _TRUE + _FALSE:
             return raw.strip().lower() in _TRUE
         raise ConfigurationError(
             f"{ENV_PREFIX}{suffix}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)"
         )
-    if not name.endswith("timeout"):
+    if not name.endswith(("timeout", "interval")):
         return raw
     try:
         return float(raw)

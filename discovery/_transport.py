@@ -18,15 +18,19 @@ from collections.abc import Iterator
 
 from ._codec import KeySpace
 from ._connection import Connection
+from ._metrics import MetricsHooks
 from ._port import EtcdPort
 from ._settings import Settings
 
 __all__ = ["connect", "keyspace_for", "port_for"]
 
 
-def connect(settings: Settings | None = None) -> EtcdPort:
-    """The etcd port for ``settings`` (default ``Settings.from_env()``): the adapter."""
-    return Connection(settings)
+def connect(settings: Settings | None = None, metrics: MetricsHooks | None = None) -> EtcdPort:
+    """The etcd port for ``settings`` (default ``Settings.from_env()``): the adapter.
+
+    ``metrics`` hears which etcd endpoints it knows (it follows the cluster's membership).
+    """
+    return Connection(settings, metrics=metrics)
 
 
 def keyspace_for(settings: Settings | None, port: EtcdPort | None) -> KeySpace:

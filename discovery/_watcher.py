@@ -134,7 +134,7 @@ class EndpointWatcher:
         if namespace is not None:
             keyspace = KeySpace(keyspace.root, namespace)
         self._owns_connection = connection is None
-        self._conn: EtcdPort = connect(settings) if connection is None else connection
+        self._conn: EtcdPort = connect(settings, metrics) if connection is None else connection
         self.prefix = keyspace.prefix
         self.selector = validate_labels(selector)
         if stale_after is None:

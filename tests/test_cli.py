@@ -235,7 +235,10 @@ def test_settings_flags_give_back_the_settings(
         username="u" if allow_insecure_auth else None,
         password_file=str(password_file) if allow_insecure_auth else None,
         allow_insecure_auth=allow_insecure_auth,
+        member_sync=not allow_insecure_auth,  # both values of both switches
+        member_sync_interval=4.5,
     )
     argv = settings_argv(settings)
     assert ("--allow-insecure-auth" in argv) is allow_insecure_auth
+    assert ("--no-member-sync" in argv) is allow_insecure_auth
     assert settings_from_args(build_parser().parse_args(["list", *argv])) == settings

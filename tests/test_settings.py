@@ -59,6 +59,8 @@ def test_defaults() -> None:
     assert (settings.username, settings.password) == (None, None)
     assert settings.secure is False
     assert settings.keyspace == KeySpace()
+    assert settings.member_sync is True
+    assert settings.member_sync_interval == 30.0
 
 
 def test_settings_are_frozen() -> None:
@@ -315,6 +317,65 @@ def test_bad_timeout_is_refused(name: str, bad: Any) -> None:
         Settings(**{name: bad})
 
 
+# --- Member sync --------------------------------------------------------------------------
+
+
+def test_member_sync_can_be_turned_off_and_its_interval_set() -> None:
+    settings = Settings(member_sync=False, member_sync_interval=2)
+    assert settings.member_sync is False
+    assert settings.member_sync_interval == 2.0
+    assert type(settings.member_sync_interval) is float
+    assert Settings(member_sync_interval=0).member_sync_interval == 0.0  # after failovers only
+
+
+@pytest.mark.parametrize(
+    "bad", [-1, -0.5, True, False, "30", None, float("nan"), float("inf")], ids=repr
+)
+def test_bad_member_sync_interval_is_refused(bad: Any) -> None:
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^member_sync_interval must be a positive number of seconds, or 0 \(no periodic",
+    ):
+        Settings(member_sync_interval=bad)
+
+
+@pytest.mark.parametrize("bad", ["no", 0, 1, None], ids=repr)
+def test_member_sync_must_be_a_bool(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"^member_sync must be True or False$"):
+        Settings(member_sync=bad)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("1", True), ("on", True), ("0", False), (" False ", False)]
+)
+def test_from_env_reads_member_sync(raw: str, expected: bool) -> None:
+    assert Settings.from_env({"DISCOVERY_MEMBER_SYNC": raw}).member_sync is expected
+
+
+def test_from_env_bad_member_sync_names_the_variable() -> None:
+    with pytest.raises(ConfigurationError, match="DISCOVERY_MEMBER_SYNC='proxy' is not a boolean"):
+        Settings.from_env({"DISCOVERY_MEMBER_SYNC": "proxy"})
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", 0.0), ("2.5", 2.5), ("60", 60.0)])
+def test_from_env_reads_member_sync_interval(raw: str, expected: float) -> None:
+    environ = {"DISCOVERY_MEMBER_SYNC_INTERVAL": raw}
+    assert Settings.from_env(environ).member_sync_interval == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("30s", "DISCOVERY_MEMBER_SYNC_INTERVAL='30s' is not a number of seconds"),
+        ("-1", "member_sync_interval must be a positive number of seconds, or 0"),
+        ("inf", "member_sync_interval must be a positive number of seconds, or 0"),
+    ],
+)
+def test_from_env_bad_member_sync_interval_is_refused(raw: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        Settings.from_env({"DISCOVERY_MEMBER_SYNC_INTERVAL": raw})
+
+
 # --- Root and namespace -------------------------------------------------------------------
 
 
@@ -350,6 +411,8 @@ EVERY_VARIABLE = {
     "DISCOVERY_ETCD_PASSWORD",
     "DISCOVERY_ETCD_PASSWORD_FILE",
     "DISCOVERY_ALLOW_INSECURE_AUTH",
+    "DISCOVERY_MEMBER_SYNC",
+    "DISCOVERY_MEMBER_SYNC_INTERVAL",
 }
 
 
@@ -367,6 +430,8 @@ def full_environ(tls_files: dict[str, str]) -> dict[str, str]:
         "DISCOVERY_ETCD_USERNAME": "router",
         "DISCOVERY_ETCD_PASSWORD": PASSWORD,
         "DISCOVERY_ALLOW_INSECURE_AUTH": "0",
+        "DISCOVERY_MEMBER_SYNC": "off",
+        "DISCOVERY_MEMBER_SYNC_INTERVAL": "12",
         "UNRELATED": "x",
     }
 
@@ -388,6 +453,7 @@ def test_from_env_reads_every_variable(tls_files: dict[str, str]) -> None:
     )
     assert (settings.username, settings.password) == ("router", PASSWORD)
     assert settings.allow_insecure_auth is False
+    assert (settings.member_sync, settings.member_sync_interval) == (False, 12.0)
 
 
 @pytest.mark.parametrize(
@@ -497,6 +563,8 @@ def test_from_env_with_explicit_environ_ignores_os_environ(monkeypatch: pytest.M
         ("username", "admin"),
         ("password", "override-password"),
         ("allow_insecure_auth", True),
+        ("member_sync", True),
+        ("member_sync_interval", 0.0),
     ],
 )
 def test_from_env_keyword_overrides_win(

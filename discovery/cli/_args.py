@@ -60,9 +60,20 @@ _SETTINGS_FLAGS = {
         "send the etcd password over http:// endpoints, unencrypted "
         "($DISCOVERY_ALLOW_INSECURE_AUTH; refused without it)",
     ),
+    "member_sync": (
+        "--no-member-sync",
+        "keep the configured endpoints instead of following the cluster's membership: "
+        "for an etcd gRPC proxy or a load balancer ($DISCOVERY_MEMBER_SYNC=0)",
+    ),
+    "member_sync_interval": (
+        "--member-sync-interval",
+        "seconds between refreshes of the endpoints from etcd's member list, 0: only after "
+        "a failover ($DISCOVERY_MEMBER_SYNC_INTERVAL, default 30)",
+    ),
 }
-_FLOAT_SETTINGS = ("dial_timeout", "request_timeout", "election_timeout")
+_FLOAT_SETTINGS = ("dial_timeout", "request_timeout", "election_timeout", "member_sync_interval")
 _SWITCH_SETTINGS = ("allow_insecure_auth",)
+_OFF_SWITCH_SETTINGS = ("member_sync",)  # on by default: the flag turns it off
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +82,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, (flag, text) in _SETTINGS_FLAGS.items():
         if name in _SWITCH_SETTINGS:  # absent: None, so $DISCOVERY_* decides
             group.add_argument(flag, help=text, action="store_true", default=None)
+        elif name in _OFF_SWITCH_SETTINGS:
+            group.add_argument(flag, help=text, action="store_false", default=None, dest=name)
         else:
             group.add_argument(flag, help=text, type=float if name in _FLOAT_SETTINGS else str)
     parser.add_argument(
@@ -100,6 +113,8 @@ def settings_argv(settings: Settings) -> list[str]:
         value = getattr(settings, name)
         if name in _SWITCH_SETTINGS:
             argv += [flag] if value else []
+        elif name in _OFF_SWITCH_SETTINGS:
+            argv += [] if value else [flag]
         elif value is not None:
             argv += [flag, ",".join(value) if name == "endpoints" else str(value)]
     return argv
