@@ -146,12 +146,17 @@ _STATUSES: dict[object, EngineStatus] = {
     None: EngineStatus.READY,
     **{s.value: s for s in EngineStatus},
 }
-STATUS = Form(
-    str | None,
-    lambda v: _STATUSES.get(v) or validate_status(v),  # a lookup: the value of every record
-    str,
-    validate_status,
-)
+
+
+def _load_status(value: object) -> EngineStatus:
+    """The stored status: a lookup for what every record holds, else checked (and refused)."""
+    try:
+        return _STATUSES[value]
+    except (KeyError, TypeError):  # TypeError: unhashable, like a list
+        return validate_status(value)
+
+
+STATUS = Form(str | None, _load_status, str, validate_status)
 
 
 def _time(name: str, *, aware: bool) -> Form:
