@@ -1,4 +1,4 @@
-"""Real etcd for the tests.
+"""The etcd of the tests: real members, or the in-memory one; and the two test tiers.
 
 * ``etcd_endpoints`` (session): ``$DISCOVERY_TEST_ETCD_ENDPOINTS`` if set; else an etcd
   container of the offline image (deploy/images/) through testcontainers when a Docker
@@ -11,10 +11,16 @@
   (``discovery.embedded_netns``); skipped, with the reason, where namespaces cannot be
   built (not root, no iproute2). ``chaos_etcd3``: the same where it can be built, else 3
   loopback members and a warning.
+* ``memory_etcd``: an etcd in memory (``discovery.memory``), no process.
 
 Tests marked ``docker`` need a Docker engine and the images: without them they are
 skipped with the reason. Every local member is checked to be gone, with its data
 directory (and its namespaces and links), after the test; every container, to be removed.
+
+A test that uses one of the real-etcd fixtures above (directly or through another, like
+``settings``) or is marked ``docker`` is marked ``external`` here; a test that starts a
+process itself carries the mark in its module. The quick tier (``./dev test --quick``) is
+``-m "not external"``; a test without the mark that starts a process fails, saying so.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +39,25 @@ import pytest
 from discovery import Settings
 from discovery.embedded import EtcdCluster
 from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
+from discovery.memory import MemoryEtcd
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
 
+# The fixtures of this module that start etcd: a test using one is marked external.
+PROCESS_FIXTURES = frozenset({"etcd_endpoints", "etcd", "etcd3", "netns_etcd3", "chaos_etcd3"})
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip Docker tests, with the reason, where they cannot run; count them last."""
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
+    """Mark tests external (before ``-m`` selects); then, among the selected tests, skip
+    Docker tests, with the reason, where they cannot run, and count them last."""
+    for item in items:
+        uses = getattr(item, "fixturenames", ())
+        if item.get_closest_marker("docker") or PROCESS_FIXTURES.intersection(uses):
+            item.add_marker(pytest.mark.external)
+    yield
     docker_items = [item for item in items if item.get_closest_marker("docker")]
     problem = docker_problem() if docker_items else None
     if problem:
@@ -47,6 +68,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in counters:
         items.remove(item)
         items.append(item)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_external(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """A test not marked external fails if it starts a process (from any thread)."""
+    if request.node.get_closest_marker("external"):
+        yield
+        return
+    elsewhere: list[object] = []
+
+    def refuse(self: subprocess.Popen[bytes], args: object, *_: object, **__: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            elsewhere.append(args)  # an exception there would not fail the test
+        pytest.fail(f"this test starts a process ({args!r}): mark it external", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+    if elsewhere:
+        pytest.fail(f"this test starts a process ({elsewhere[0]!r}): mark it external")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -141,3 +183,14 @@ def chaos_etcd3() -> Iterator[EtcdCluster]:
 @pytest.fixture
 def private_settings(etcd: EtcdCluster, request: pytest.FixtureRequest) -> Settings:
     return Settings(endpoints=etcd.endpoints, namespace=_namespace(request), dial_timeout=10)
+
+
+@pytest.fixture
+def memory_etcd() -> Iterator[MemoryEtcd]:
+    """An etcd in memory, closed after the test."""
+    with MemoryEtcd() as etcd:
+        yield etcd
+
+
+# Parameters of a fixture that runs a test in memory (the quick tier) and on real etcd.
+STORES = ["memory", pytest.param("etcd", marks=pytest.mark.external)]

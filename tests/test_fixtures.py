@@ -118,6 +118,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.external  # network namespaces, an owner process
 def test_a_killed_owner_leaves_no_namespace_behind(netns_available) -> None:
     """The owner is SIGKILLed, so no finally block runs: its reaper removes everything."""
     prefix, pids = _kill_owner(reaper_too=False)
@@ -125,6 +126,7 @@ def test_a_killed_owner_leaves_no_namespace_behind(netns_available) -> None:
     wait_for(lambda: all(_gone(pid) for pid in pids), message="etcd members and reaper gone")
 
 
+@pytest.mark.external  # network namespaces, etcd
 def test_leftovers_of_a_dead_owner_are_swept_at_the_next_start(netns_available) -> None:
     """Owner and reaper both SIGKILLed: the next start sweeps what they left."""
     prefix, pids = _kill_owner(reaper_too=True)

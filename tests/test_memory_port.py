@@ -33,15 +33,9 @@ QUIET = 30.0
 
 
 @pytest.fixture
-def etcd() -> Iterator[MemoryEtcd]:
-    with MemoryEtcd() as etcd:
-        yield etcd
-
-
-@pytest.fixture
-def ports(etcd: MemoryEtcd) -> Iterator[list[MemoryPort]]:
+def ports(memory_etcd: MemoryEtcd) -> Iterator[list[MemoryPort]]:
     """Two clients of ``etcd`` (more with ``ports.append``), closed after the test."""
-    opened = [MemoryPort(etcd), MemoryPort(etcd)]
+    opened = [MemoryPort(memory_etcd), MemoryPort(memory_etcd)]
     yield opened
     for port in opened:
         port.close()
@@ -54,14 +48,16 @@ SETTINGS = Settings(namespace="memory")
 
 
 def test_an_outage_fails_every_call_and_stream_of_every_port_until_restored(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     one, two = ports
     one.replace("/k", b"1", 0)
-    watch = Reader(one.open_watch("/", etcd.revision, heartbeat=QUIET, progress_interval=QUIET))
+    watch = Reader(
+        one.open_watch("/", memory_etcd.revision, heartbeat=QUIET, progress_interval=QUIET)
+    )
     watch.next()  # created
     keepalive = Reader(two.open_keepalive())
-    with etcd.outage():
+    with memory_etcd.outage():
         assert isinstance(watch.error(), EtcdUnavailableError)
         assert isinstance(keepalive.error(), EtcdUnavailableError)
         for call in (
@@ -74,31 +70,33 @@ def test_an_outage_fails_every_call_and_stream_of_every_port_until_restored(
                 call()
     kv = two.get("/k")
     assert kv is not None and kv.value == b"1"
-    watch = Reader(one.open_watch("/", etcd.revision + 1, heartbeat=QUIET, progress_interval=1))
+    watch = Reader(
+        one.open_watch("/", memory_etcd.revision + 1, heartbeat=QUIET, progress_interval=1)
+    )
     watch.next()
-    etcd.outage(no_leader=True)  # a member without a leader: streams say so
+    memory_etcd.outage(no_leader=True)  # a member without a leader: streams say so
     assert isinstance(watch.error(), NoLeaderError)
     with pytest.raises(NoLeaderError):
         one.open_keepalive()
     with pytest.raises(EtcdUnavailableError) as refused:
         one.get("/k")
     assert not isinstance(refused.value, NoLeaderError)
-    etcd.restore()
+    memory_etcd.restore()
     assert one.get("/k") == kv
 
 
 def test_compaction_forgets_the_history_before_its_revision(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     port = ports[0]
-    assert etcd.revision == 1  # a new etcd, like a new etcd
+    assert memory_etcd.revision == 1  # a new etcd is at revision 1
     for value in (b"1", b"2", b"3"):
         port.replace("/k", value, 0)
-    assert etcd.revision == 4
+    assert memory_etcd.revision == 4
     with pytest.raises(ValueError, match="future"):
-        etcd.compact(5)
-    etcd.compact(3)
-    etcd.compact(2)  # older than the last compaction: nothing to do
+        memory_etcd.compact(5)
+    memory_etcd.compact(3)
+    memory_etcd.compact(2)  # older than the last compaction: nothing to do
     stream = port.open_watch("/", 2, heartbeat=QUIET, progress_interval=QUIET)
     error = Reader(stream).error()
     assert isinstance(error, Compacted) and error.compact_revision == 3
@@ -133,9 +131,9 @@ def test_closing_the_etcd_stops_its_lease_sweeper_and_ends_every_stream() -> Non
     assert not sweeper.is_alive()
 
 
-def test_many_ports_share_one_etcd(etcd: MemoryEtcd, ports: list[MemoryPort]) -> None:
-    ports.extend(MemoryPort(etcd) for _ in range(8))
-    start = etcd.revision + 1
+def test_many_ports_share_one_etcd(memory_etcd: MemoryEtcd, ports: list[MemoryPort]) -> None:
+    ports.extend(MemoryPort(memory_etcd) for _ in range(8))
+    start = memory_etcd.revision + 1
     watch = Reader(ports[0].open_watch("/p/", start, heartbeat=QUIET, progress_interval=QUIET))
     watch.next()
     for index, port in enumerate(ports):
@@ -213,7 +211,7 @@ def test_a_lease_revoked_from_outside_is_replaced_and_the_record_written_again(
 
 
 def test_an_outage_longer_than_the_ttl_loses_the_lease_and_the_record_comes_back(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     registrar, other = ports
     events = Events()
@@ -224,10 +222,10 @@ def test_an_outage_longer_than_the_ttl_loses_the_lease_and_the_record_comes_back
         ) as registration,
     ):
         events.wait(("added", "e0"))
-        old, before = registration.lease_id, etcd.revision
-        with etcd.outage():
+        old, before = registration.lease_id, memory_etcd.revision
+        with memory_etcd.outage():
             # The cluster keeps time: the lease expires, deleting the record (a revision).
-            wait_for(lambda: etcd.revision > before, timeout=5, message="the lease's expiry")
+            wait_for(lambda: memory_etcd.revision > before, timeout=5, message="the lease's expiry")
             assert registration.wait_for_state(RegistrationState.LOST, timeout=5)
         assert registration.wait_for_state(RegistrationState.REGISTERED, timeout=5)
         events.wait(("added", "e0"), ("removed", "e0"), ("added", "e0"))
@@ -264,10 +262,10 @@ class _Unwatchable(MemoryPort):
 
 
 def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     registrar = ports[0]
-    watcher = _Unwatchable(etcd)
+    watcher = _Unwatchable(memory_etcd)
     ports.append(watcher)
     events = Events()
     with (
@@ -288,7 +286,7 @@ def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
         with register_engine(
             make_endpoint(2), engine_id="e2", connection=registrar, settings=SETTINGS
         ):
-            etcd.compact(etcd.revision)
+            memory_etcd.compact(memory_etcd.revision)
             seen = len(events.seen)
             watcher.heal()
             wait_for(lambda: table.watcher.health().relists == 1, message="a relist")

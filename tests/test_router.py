@@ -254,6 +254,7 @@ print(",".join(router.pick([rng.randrange(32000) for _ in range(300)], 1).engine
 """
 
 
+@pytest.mark.external  # 3 interpreters
 def test_first_prefix_block_is_deterministic_across_processes() -> None:
     root = str(Path(__file__).resolve().parent.parent)
     script = _CROSS_PROCESS.format(root=root)

@@ -87,6 +87,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.external  # a fresh interpreter
 def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
     tmp_path: Path,
 ) -> None:
