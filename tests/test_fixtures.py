@@ -1,5 +1,6 @@
 """The test fixtures themselves: an external etcd when configured, else a container when
-Docker answers; Docker tests run in CI; partitionable clusters cut, heal and leave nothing."""
+Docker answers; Docker tests run in CI; partitionable clusters cut, heal and leave nothing;
+a test not marked external starts no process."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def _revision(cluster) -> int:
     result = cluster.etcdctl("endpoint", "status", "-w", "json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)[0]["Status"]["header"]["revision"]
+
+
+def test_a_test_not_marked_external_cannot_start_a_process() -> None:
+    with pytest.raises(pytest.fail.Exception, match=r"starts a process \(\['true'\]\): mark it"):
+        subprocess.run(["true"], check=False)
 
 
 def test_configured_endpoints_are_used_instead_of_a_new_etcd(etcd) -> None:

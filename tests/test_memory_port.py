@@ -11,11 +11,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from discovery import (
     ClosedError,
     EndpointEvent,
     EtcdUnavailableError,
+    Metrics,
     RegistrationState,
     RoutingSnapshot,
     RoutingTable,
@@ -148,15 +150,17 @@ def test_many_ports_share_one_etcd(memory_etcd: MemoryEtcd, ports: list[MemoryPo
 
 
 class Events:
-    """Every (type, engine id) a routing table reports, in order."""
+    """Every (type, engine id) a routing table reports, in order, and in its batches."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.seen: list[tuple[str, str]] = []
+        self.batches: list[list[tuple[str, str]]] = []
 
     def __call__(self, batch: tuple[EndpointEvent, ...], snapshot: RoutingSnapshot) -> None:
         with self._cond:
-            self.seen.extend((event.type.value, event.engine_id) for event in batch)
+            self.batches.append([(event.type.value, event.engine_id) for event in batch])
+            self.seen.extend(self.batches[-1])
             self._cond.notify_all()
 
     def wait(self, *expected: tuple[str, str], timeout: float = 5.0) -> None:
@@ -166,9 +170,11 @@ class Events:
                 raise AssertionError(f"saw {self.seen}, not ending with {list(expected)}")
 
 
-def _table(port: MemoryPort, events: Events) -> RoutingTable:
+def _table(port: MemoryPort, events: Events, metrics: Metrics | None = None) -> RoutingTable:
     """A table on ``port`` reporting to ``events``; ``with`` starts it."""
-    table = watch_table(SETTINGS, connection=port, heartbeat=QUIET, progress_interval=QUIET)
+    table = watch_table(
+        SETTINGS, connection=port, heartbeat=QUIET, progress_interval=QUIET, metrics=metrics
+    )
     table.subscribe(events)
     return table
 
@@ -268,8 +274,13 @@ def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
     watcher = _Unwatchable(memory_etcd)
     ports.append(watcher)
     events = Events()
+    registry = CollectorRegistry()
+
+    def metric(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"prefix": SETTINGS.keyspace.prefix, **labels})
+
     with (
-        _table(watcher, events) as table,
+        _table(watcher, events, Metrics(registry)) as table,
         register_engine(
             make_endpoint(0), engine_id="e0", connection=registrar, settings=SETTINGS
         ) as e0,
@@ -279,10 +290,20 @@ def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
     ):
         wait_for(lambda: set(table.snapshot()) == {"e0", "e1"}, message="both engines")
         watcher.cut()
-        wait_for(lambda: table.watcher.health().reconnects > 0, message="the watch down")
+        wait_for(
+            lambda: (
+                metric("discovery_watcher_connected") == 0
+                and metric("discovery_watcher_reconnects_total", cause="stream_error")
+            ),
+            message="the watch down, and said so",
+        )
         e1.close()
         e0.set_status("draining")
         wait_for(lambda: b"draining" in registrar.get(e0.key).value, message="e0 draining")
+        # Came and went while the watch was down: nothing to report.
+        register_engine(
+            make_endpoint(3), engine_id="e3", connection=registrar, settings=SETTINGS
+        ).close()
         with register_engine(
             make_endpoint(2), engine_id="e2", connection=registrar, settings=SETTINGS
         ):
@@ -291,10 +312,24 @@ def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
             watcher.heal()
             wait_for(lambda: table.watcher.health().relists == 1, message="a relist")
             wait_for(lambda: len(events.seen) == seen + 3, message="the difference")
-            assert sorted(events.seen[seen:]) == [
+            # The exact difference, in one batch (one atomic apply).
+            assert sorted(events.batches[-1]) == [
                 ("added", "e2"),
                 ("removed", "e1"),
                 ("updated", "e0"),
             ]
             record = table.get("e0")
             assert record is not None and record.status.value == "draining"
+            assert set(table.snapshot()) == {"e0", "e2"}
+            wait_for(
+                lambda: (
+                    (
+                        metric("discovery_watcher_relists_total", cause="compaction"),
+                        metric("discovery_watcher_reconnects_total", cause="compaction"),
+                        metric("discovery_watcher_events_total", type="added"),  # e0, e1, e2
+                        metric("discovery_watcher_connected"),
+                    )
+                    == (1, 1, 3, 1)
+                ),
+                message="the metrics: one relist after one compaction, 3 added, connected",
+            )
