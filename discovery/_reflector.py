@@ -248,9 +248,7 @@ class Reflector:
             stream.close()
 
     def _relist(self) -> None:
-        # One attempt per page: this loop's own backoff retries, and reports, failures
-        # (a revision compacted between pages too).
-        revision = self._target.replace(self._port.list_pages(self._range, timeout=0))
+        revision = self._target.replace(self._pages())
         self.revision = max(self.revision, revision)
         self._needs_list = False
         if self._listed:
@@ -258,8 +256,20 @@ class Reflector:
                 self._relists += 1
             self._metrics.watcher_relist(self.name, "compaction")
         self._listed = True
-        self._answered(revision)
         self._metrics.watcher_revision(self.name, self.revision, self._newest)
+
+    def _pages(self) -> Iterator[tuple[int, list[KeyValue]]]:
+        """The listing's pages, then etcd's answer reported (state, metrics).
+
+        The target reads every page before it hands the listing on, so the answer is
+        reported first: a watcher whose first snapshot is in says it is connected.
+        """
+        # One attempt per page: this loop's own backoff retries, and reports, failures
+        # (a revision compacted between pages too).
+        revision = 0
+        for revision, kvs in self._port.list_pages(self._range, timeout=0):
+            yield revision, kvs
+        self._answered(revision)
 
     def _answered(self, revision: int) -> None:
         # Runs for every response: lock-free unless the state changes.

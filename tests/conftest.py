@@ -1,4 +1,4 @@
-"""Real etcd for the tests.
+"""The etcd of the tests: real members, or the in-memory one; and the two test tiers.
 
 * ``etcd_endpoints`` (session): ``$DISCOVERY_TEST_ETCD_ENDPOINTS`` if set; else an etcd
   container of the offline image (deploy/images/) through testcontainers when a Docker
@@ -11,10 +11,18 @@
   (``discovery.embedded_netns``); skipped, with the reason, where namespaces cannot be
   built (not root, no iproute2). ``chaos_etcd3``: the same where it can be built, else 3
   loopback members and a warning.
+* ``memory_etcd``: an etcd in memory (``discovery.memory``), no process. ``store`` runs
+  a test twice, on the memory port and on the shared etcd (``private_store``: on a
+  private member the test may stop); see ``Store``.
 
 Tests marked ``docker`` need a Docker engine and the images: without them they are
 skipped with the reason. Every local member is checked to be gone, with its data
 directory (and its namespaces and links), after the test; every container, to be removed.
+
+A test that uses one of the real-etcd fixtures above (directly or through another, like
+``settings``) or is marked ``docker`` is marked ``external`` here; a test that starts a
+process itself carries the mark in its module. The quick tier (``./dev test --quick``) is
+``-m "not external"``; a test without the mark that starts a process fails, saying so.
 """
 
 from __future__ import annotations
@@ -22,21 +30,38 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from discovery import Settings
+from discovery import Connection, EtcdPort, Settings
+from discovery._port import KeyValue
 from discovery.embedded import EtcdCluster
 from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
+from discovery.memory import MemoryEtcd, MemoryPort
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
 
+# The fixtures of this module that start etcd: a test using one is marked external.
+PROCESS_FIXTURES = frozenset({"etcd_endpoints", "etcd", "etcd3", "netns_etcd3", "chaos_etcd3"})
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip Docker tests, with the reason, where they cannot run; count them last."""
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
+    """Mark tests external (before ``-m`` selects); then, among the selected tests, skip
+    Docker tests, with the reason, where they cannot run, and count them last."""
+    for item in items:
+        uses = getattr(item, "fixturenames", ())
+        if item.get_closest_marker("docker") or PROCESS_FIXTURES.intersection(uses):
+            item.add_marker(pytest.mark.external)
+    yield
     docker_items = [item for item in items if item.get_closest_marker("docker")]
     problem = docker_problem() if docker_items else None
     if problem:
@@ -47,6 +72,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in counters:
         items.remove(item)
         items.append(item)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_external(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """A test not marked external fails if it starts a process (from any thread)."""
+    if request.node.get_closest_marker("external"):
+        yield
+        return
+    elsewhere: list[object] = []
+
+    def refuse(self: subprocess.Popen[bytes], args: object, *_: object, **__: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            elsewhere.append(args)  # an exception there would not fail the test
+        pytest.fail(f"this test starts a process ({args!r}): mark it external", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+    if elsewhere:
+        pytest.fail(f"this test starts a process ({elsewhere[0]!r}): mark it external")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -143,3 +189,94 @@ def chaos_etcd3() -> Iterator[EtcdCluster]:
 @pytest.fixture
 def private_settings(etcd: EtcdCluster, request: pytest.FixtureRequest) -> Settings:
     return Settings(endpoints=etcd.endpoints, namespace=_namespace(request), dial_timeout=10)
+
+
+@pytest.fixture
+def memory_etcd() -> Iterator[MemoryEtcd]:
+    """An etcd in memory, closed after the test."""
+    with MemoryEtcd() as etcd:
+        yield etcd
+
+
+# Parameters of a fixture that runs a test in memory (the quick tier) and on real etcd.
+STORES = ["memory", pytest.param("etcd", marks=pytest.mark.external)]
+
+
+class Store:
+    """The etcd a test runs on (``name``: ``"memory"`` or ``"etcd"``), as the package and
+    the test reach it.
+
+    ``settings`` name the test's own namespace. ``connection()`` is what to pass as
+    ``connection=`` where the package would otherwise build its own client: None on real
+    etcd (the package then builds one from ``settings``, as in production), a new client of
+    the shared ``MemoryEtcd`` in memory. ``port`` is the test's own client, for what it
+    does behind the package's back (writes, deletes, revokes, reads). A ``private_store``
+    also has ``down()`` and ``up()``: etcd unreachable (a killed member, an outage) and back.
+    """
+
+    down: Callable[[], object]
+    up: Callable[[], object]
+
+    def __init__(self, name: str, settings: Settings, client: Callable[[], EtcdPort]) -> None:
+        self.name = name
+        self.settings = settings
+        self._client = client
+        self._clients: list[EtcdPort] = []
+        self.port = self.client()
+
+    def client(self) -> EtcdPort:
+        """Another client of this etcd, closed after the test."""
+        port = self._client()
+        self._clients.append(port)
+        return port
+
+    def connection(self) -> EtcdPort | None:
+        """``connection=`` for the package: None on real etcd, a new client in memory."""
+        return self.client() if self.name == "memory" else None
+
+    def using(self) -> dict[str, Any]:
+        """``settings=`` and ``connection=`` for a call of the package."""
+        return {"settings": self.settings, "connection": self.connection()}
+
+    def get(self, key: str) -> KeyValue | None:
+        """``key`` as stored now (retried while etcd does not answer)."""
+        return self.port.call(lambda: self.port.get(key))
+
+    def close(self) -> None:
+        for port in self._clients:
+            port.close()
+
+
+def _memory_store(request: pytest.FixtureRequest, etcd: MemoryEtcd) -> Store:
+    return Store("memory", Settings(namespace=_namespace(request)), lambda: MemoryPort(etcd))
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """The test in memory, then on the shared etcd (in the test's namespace)."""
+    if request.param == "memory":
+        store = _memory_store(request, request.getfixturevalue("memory_etcd"))
+    else:
+        settings: Settings = request.getfixturevalue("settings")
+        store = Store("etcd", settings, lambda: Connection(settings))
+    yield store
+    store.close()
+
+
+@pytest.fixture(params=STORES)
+def private_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """The test in memory, then on a private etcd member; ``down()`` kills it, ``up()``
+    starts it again."""
+    if request.param == "memory":
+        etcd: MemoryEtcd = request.getfixturevalue("memory_etcd")
+        store = _memory_store(request, etcd)
+        store.down, store.up = etcd.outage, etcd.restore
+    else:
+        cluster: EtcdCluster = request.getfixturevalue("etcd")
+        settings: Settings = request.getfixturevalue("private_settings")
+        store = Store("etcd", settings, lambda: Connection(settings))
+        member = cluster.members[0]
+        store.down = lambda: member.stop(kill=True)
+        store.up = lambda: (member.start(), cluster.wait_healthy())
+    yield store
+    store.close()

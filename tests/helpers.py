@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from discovery import (
     EndpointEvent,
+    EtcdPort,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
@@ -267,12 +268,12 @@ def run_python(code: str, env: dict[str, str], timeout: float = 60) -> tuple[int
 class WatchLog:
     """Every event of an EndpointWatcher, with the monotonic time it arrived."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, connection: EtcdPort | None = None) -> None:
         from discovery import EndpointWatcher  # noqa: PLC0415
 
         self._cond = threading.Condition()
         self.events: list[tuple[float, EndpointEvent]] = []
-        self.watcher = EndpointWatcher(settings).start()
+        self.watcher = EndpointWatcher(settings, connection=connection).start()
         self.watcher.subscribe(self._add)
 
     def _add(self, event: EndpointEvent) -> None:

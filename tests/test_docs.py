@@ -125,6 +125,7 @@ def test_every_public_name_is_documented_and_typed() -> None:
                 assert inspect.getdoc(member), f"{name}.{attr} has no docstring"
 
 
+@pytest.mark.external  # a fresh interpreter
 @pytest.mark.parametrize("module", ["discovery.embedded", "discovery.memory"])
 def test_test_support_modules_are_not_imported_by_the_library(module: str) -> None:
     code = f"import discovery, sys; print({module!r} in sys.modules)"

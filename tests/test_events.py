@@ -1,4 +1,5 @@
-"""EngineEventReceiver against real etcd, fed by a rank zero that sends Megatron's frames."""
+"""EngineEventReceiver fed by a rank zero that sends Megatron's frames, registering on the
+memory port and on real etcd (``store``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from discovery import (
 )
 from discovery._events import READY_SHAPES, decode_frame, parse_ready
 
+from .conftest import Store
 from .helpers import (
     MEGATRON_FIELDS,
     RankZero,
@@ -57,10 +59,8 @@ def megatron_to_dict(address: str = "tcp://10.9.0.1:41000", **capabilities) -> d
 
 
 @pytest.fixture
-def receiver(settings: Settings):
-    receiver = EngineEventReceiver(
-        engine_id="rz-0", ttl=5, labels={"model": "m"}, settings=settings
-    )
+def receiver(store: Store):
+    receiver = EngineEventReceiver(engine_id="rz-0", ttl=5, labels={"model": "m"}, **store.using())
     receiver.start()
     yield receiver
     receiver.close()
@@ -78,7 +78,7 @@ def _frames_seen(receiver: EngineEventReceiver, count: int) -> None:
 
 
 def test_megatron_frames_register_exactly_the_ready_payload(
-    settings: Settings, receiver: EngineEventReceiver, rank_zero: RankZero
+    store: Store, receiver: EngineEventReceiver, rank_zero: RankZero
 ) -> None:
     assert receiver.address.startswith("tcp://127.0.0.1:")
     payload = megatron_to_dict()
@@ -87,7 +87,7 @@ def test_megatron_frames_register_exactly_the_ready_payload(
     rank_zero.send("removed", {"block_hashes": [101]})
     registration = receiver.wait_registered(timeout=10)
     assert receiver.state is ReceiverState.REGISTERED
-    value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+    value = json.loads(store.get(registration.key).value)
     metadata = {
         k: value.pop(k) for k in ("engine_id", "labels", "registered_at", "status", "state_address")
     }
@@ -100,12 +100,12 @@ def test_megatron_frames_register_exactly_the_ready_payload(
     assert (health.frames, health.ready, health.kv, health.ignored) == (3, 1, 2, 0)
     assert (health.malformed, health.rejected) == (0, 0)
     receiver.close()
-    assert get_kv(settings.endpoints, registration.key) is None  # close() revoked the lease
+    assert store.get(registration.key) is None  # close() revoked the lease
     assert receiver.state is ReceiverState.CLOSED
 
 
 def test_bad_frames_are_counted_logged_and_register_nothing(
-    settings: Settings,
+    store: Store,
     receiver: EngineEventReceiver,
     rank_zero: RankZero,
     caplog: pytest.LogCaptureFixture,
@@ -146,7 +146,7 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
     assert (health.malformed, health.kv, health.ignored) == (7, 1, 2)
     assert (health.rejected, health.ready) == (10, 0)
     assert health.state is ReceiverState.WAITING
-    assert get_kv(settings.endpoints, settings.keyspace.key("rz-0")) is None
+    assert store.get(store.settings.keyspace.key("rz-0")) is None
     log = caplog.text
     assert "not msgpack (FormatError" in log and "not a [kind, payload] pair" in log
     assert "block hash that is not a 64-bit integer" in log and "no block_hashes list" in log
@@ -164,21 +164,21 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
 
 
 def test_a_later_ready_with_another_endpoint_updates_the_record_atomically(
-    settings: Settings, receiver: EngineEventReceiver, rank_zero: RankZero
+    store: Store, receiver: EngineEventReceiver, rank_zero: RankZero
 ) -> None:
-    changes = WatchLog(settings)
+    changes = WatchLog(**store.using())
     try:
         rank_zero.send("ready", megatron_to_dict("tcp://10.9.0.1:41000"))
         registration = receiver.wait_registered(timeout=10)
-        first = get_kv(settings.endpoints, registration.key)
+        first = store.get(registration.key)
         rank_zero.send("ready", megatron_to_dict("tcp://10.9.0.1:41000"))  # the same again
         rank_zero.send("ready", {**megatron_to_dict("tcp://10.9.0.2:41000"), "role": "decode"})
         _, updated = changes.wait("rz-0", "updated")
         assert updated.endpoint.coordinator_address == "tcp://10.9.0.2:41000"
         assert dict(updated.labels) == {"model": "m", "role": "decode"}
-        second = get_kv(settings.endpoints, registration.key)
-        assert second["lease"] == first["lease"]  # same lease: one put, never absent
-        assert second["mod_revision"] == updated.revision
+        second = store.get(registration.key)
+        assert second.lease == first.lease  # same lease: one put, never absent
+        assert second.mod_revision == updated.revision
         assert changes.kinds("rz-0") == ["added", "updated"]  # the repeat wrote nothing
         assert receiver.health().ready == 3
     finally:
@@ -186,10 +186,10 @@ def test_a_later_ready_with_another_endpoint_updates_the_record_atomically(
 
 
 def test_a_role_from_the_ready_payload_becomes_the_role_label(
-    settings: Settings, caplog: pytest.LogCaptureFixture
+    store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     with EngineEventReceiver(
-        engine_id="roled", labels={"role": "decode"}, settings=settings
+        engine_id="roled", labels={"role": "decode"}, **store.using()
     ) as receiver:
         sender = RankZero(receiver.address)
         try:
@@ -198,14 +198,14 @@ def test_a_role_from_the_ready_payload_becomes_the_role_label(
         finally:
             sender.close()
         assert dict(registration.record.labels) == {"role": "prefill"}
-        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        value = json.loads(store.get(registration.key).value)
         assert "role" not in value and value["labels"] == {"role": "prefill"}
     assert "the engine says role 'prefill'; it replaces the role label 'decode'" in caplog.text
 
 
-def test_a_refused_registration_fails_the_receiver(settings: Settings) -> None:
-    with register_engine(make_endpoint(), engine_id="taken", ttl=30, settings=settings) as holder:
-        with EngineEventReceiver(engine_id="taken", settings=settings) as receiver:
+def test_a_refused_registration_fails_the_receiver(store: Store) -> None:
+    with register_engine(make_endpoint(), engine_id="taken", ttl=30, **store.using()) as holder:
+        with EngineEventReceiver(engine_id="taken", **store.using()) as receiver:
             sender = RankZero(receiver.address)
             try:
                 sender.send("ready", megatron_to_dict())
@@ -217,15 +217,14 @@ def test_a_refused_registration_fails_the_receiver(settings: Settings) -> None:
                 _frames_seen(receiver, 2)
             finally:
                 sender.close()
-        kv = get_kv(settings.endpoints, holder.key)
-        assert kv["lease"] == holder.lease_id
+        assert store.get(holder.key).lease == holder.lease_id
 
 
-def test_asyncio_use(settings: Settings) -> None:
+def test_asyncio_use(store: Store) -> None:
     states: list[ReceiverState] = []
 
     async def main() -> tuple[str, int]:
-        async with EngineEventReceiver(engine_id="aio", settings=settings) as receiver:
+        async with EngineEventReceiver(engine_id="aio", **store.using()) as receiver:
             receiver.subscribe(states.append)
             sender = RankZero(receiver.address)
             try:
@@ -236,20 +235,20 @@ def test_asyncio_use(settings: Settings) -> None:
             return registration.key, registration.lease_id
 
     key, lease = asyncio.run(main())
-    assert lease and get_kv(settings.endpoints, key) is None
+    assert lease and store.get(key) is None
     wait_for(lambda: states == [ReceiverState.REGISTERED, ReceiverState.CLOSED], message="states")
 
 
-def test_misuse_and_bad_arguments(settings: Settings) -> None:
+def test_misuse_and_bad_arguments(store: Store) -> None:
     with pytest.raises(InvalidRecordError, match="engine id"):
-        EngineEventReceiver(engine_id="a/b", settings=settings)
+        EngineEventReceiver(engine_id="a/b", **store.using())
     with pytest.raises(InvalidRecordError, match="ttl must be a positive number"):
-        EngineEventReceiver(ttl=0, settings=settings)
+        EngineEventReceiver(ttl=0, **store.using())
     with pytest.raises(InvalidRecordError, match="label"):
-        EngineEventReceiver(labels={"bad key": "v"}, settings=settings)
+        EngineEventReceiver(labels={"bad key": "v"}, **store.using())
     with pytest.raises(ConfigurationError, match="cannot bind the engine-event socket"):
-        EngineEventReceiver(host="203.0.113.300", settings=settings).start()
-    receiver = EngineEventReceiver(settings=settings)
+        EngineEventReceiver(host="203.0.113.300", **store.using()).start()
+    receiver = EngineEventReceiver(**store.using())
     assert receiver.engine_id  # {hostname}-{pid}-{random}
     receiver.close()
     with pytest.raises(ClosedError):

@@ -1,7 +1,7 @@
 """Passive failure fencing in the router (issue 15): grow, reset, cap, visibility.
 
 Time comes from an injected clock, so nothing sleeps. Unit tests feed the table by hand
-(``Fleet``); the last test watches engines registered in a real etcd.
+(``Fleet``); the last test watches engines registered on the memory port and on real etcd.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from discovery import (
     Metrics,
     Router,
     RouterHealth,
-    Settings,
     register_engine,
     watch_table,
 )
 
+from .conftest import Store
 from .helpers import make_endpoint
 from .test_router import Fleet
 
@@ -222,13 +222,11 @@ def test_fencing_options_are_checked_and_can_be_off(fleet: Fleet) -> None:
     assert router.health().failing == {"e000": 10}
 
 
-def test_a_fenced_engine_that_leaves_etcd_is_forgotten(settings: Settings) -> None:
+def test_a_fenced_engine_that_leaves_etcd_is_forgotten(store: Store) -> None:
     clock = Clock()
-    regs = [
-        register_engine(make_endpoint(i), engine_id=f"f{i}", settings=settings) for i in range(4)
-    ]
+    regs = [register_engine(make_endpoint(i), engine_id=f"f{i}", **store.using()) for i in range(4)]
     try:
-        with watch_table(settings) as table:
+        with watch_table(**store.using()) as table:
             table.wait_until(lambda snap: len(snap) == 4, timeout=15)
             router = Router(table, policy="round_robin", clock=clock)
             fail(router, "f1", 3)
@@ -238,7 +236,7 @@ def test_a_fenced_engine_that_leaves_etcd_is_forgotten(settings: Settings) -> No
             assert router.health().fenced == {}
             assert router.health().engines == 3
             # Registered again, it starts with a clean slate.
-            regs[1] = register_engine(make_endpoint(1), engine_id="f1", settings=settings)
+            regs[1] = register_engine(make_endpoint(1), engine_id="f1", **store.using())
             table.wait_until(lambda snap: "f1" in snap, timeout=15)
             assert set(picked(router)) == {"f0", "f1", "f2", "f3"}
             fail(router, "f1", 2)

@@ -1,5 +1,6 @@
 """The test fixtures themselves: an external etcd when configured, else a container when
-Docker answers; Docker tests run in CI; partitionable clusters cut, heal and leave nothing."""
+Docker answers; Docker tests run in CI; partitionable clusters cut, heal and leave nothing;
+a test not marked external starts no process."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def _revision(cluster) -> int:
     result = cluster.etcdctl("endpoint", "status", "-w", "json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)[0]["Status"]["header"]["revision"]
+
+
+def test_a_test_not_marked_external_cannot_start_a_process() -> None:
+    with pytest.raises(pytest.fail.Exception, match=r"starts a process \(\['true'\]\): mark it"):
+        subprocess.run(["true"], check=False)
 
 
 def test_configured_endpoints_are_used_instead_of_a_new_etcd(etcd) -> None:
@@ -118,6 +124,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.external  # network namespaces, an owner process
 def test_a_killed_owner_leaves_no_namespace_behind(netns_available) -> None:
     """The owner is SIGKILLed, so no finally block runs: its reaper removes everything."""
     prefix, pids = _kill_owner(reaper_too=False)
@@ -125,6 +132,7 @@ def test_a_killed_owner_leaves_no_namespace_behind(netns_available) -> None:
     wait_for(lambda: all(_gone(pid) for pid in pids), message="etcd members and reaper gone")
 
 
+@pytest.mark.external  # network namespaces, etcd
 def test_leftovers_of_a_dead_owner_are_swept_at_the_next_start(netns_available) -> None:
     """Owner and reaper both SIGKILLed: the next start sweeps what they left."""
     prefix, pids = _kill_owner(reaper_too=True)

@@ -1,4 +1,5 @@
-"""Engine lifecycle against real etcd (issue 13): status, drain, operators, signals, routers."""
+"""Engine lifecycle (issue 13): status, drain, operators, signals, routers; the logic on
+the memory port and on real etcd (``store``), processes and signals on real etcd."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from datetime import UTC, datetime
 import pytest
 
 from discovery import (
-    Connection,
     EndpointWatcher,
     EngineStatus,
     EventType,
@@ -30,13 +30,13 @@ from discovery import (
 )
 from discovery._registration import _TRANSITIONS, _Event
 
+from .conftest import Store
 from .helpers import (
     Registrar,
     cli_env,
     etcdctl,
     get_kv,
     make_endpoint,
-    raw_call,
     run_cli,
     wait_for,
 )
@@ -60,10 +60,8 @@ def test_the_transition_table_is_the_state_machine() -> None:
     assert _TRANSITIONS[(S.LOST, _Event.WRITTEN)] is S.REGISTERED
 
 
-def test_status_changes_are_updated_events_and_routers_pick_ready_engines(
-    settings: Settings,
-) -> None:
-    with watch_table(settings) as table:
+def test_status_changes_are_updated_events_and_routers_pick_ready_engines(store: Store) -> None:
+    with watch_table(**store.using()) as table:
         events: list[tuple[EventType, str, EngineStatus]] = []
         table.subscribe(
             lambda batch, _: events.extend((e.type, e.engine_id, e.status) for e in batch)
@@ -71,13 +69,13 @@ def test_status_changes_are_updated_events_and_routers_pick_ready_engines(
         router = Router(table, policy="round_robin")
         with (
             register_engine(
-                make_endpoint(0), engine_id="warm", status="starting", settings=settings
+                make_endpoint(0), engine_id="warm", status="starting", **store.using()
             ) as warm,
-            register_engine(make_endpoint(1), engine_id="hot", settings=settings) as hot,
+            register_engine(make_endpoint(1), engine_id="hot", **store.using()) as hot,
         ):
             table.wait_until(lambda snap: {"warm", "hot"} <= set(snap), timeout=10)
             assert table.get("warm").status is EngineStatus.STARTING
-            assert _status(settings, "warm") == "starting"  # etcdctl shows it
+            assert json.loads(store.get(warm.key).value)["status"] == "starting"  # as stored
             assert {router.pick([1] * 8, 8).engine_id for _ in range(6)} == {"hot"}
             warm_up = Router(table, statuses=("starting",))  # a warm-up client's router
             with warm_up.pick([1] * 8, 8) as handle:
@@ -111,9 +109,9 @@ def test_status_changes_are_updated_events_and_routers_pick_ready_engines(
             table.wait_until(lambda s: s["hot"].ready and s["hot"].drain_deadline is None)
 
 
-def test_drain_revokes_at_its_deadline(settings: Settings) -> None:
-    with watch_table(settings) as table:
-        reg = register_engine(make_endpoint(), engine_id="leaving", settings=settings)
+def test_drain_revokes_at_its_deadline(store: Store) -> None:
+    with watch_table(**store.using()) as table:
+        reg = register_engine(make_endpoint(), engine_id="leaving", **store.using())
         removed = threading.Event()
         table.subscribe(
             lambda batch, _: any(e.type is EventType.REMOVED for e in batch) and removed.set()
@@ -125,23 +123,23 @@ def test_drain_revokes_at_its_deadline(settings: Settings) -> None:
         assert reg.wait_for_state(S.CLOSED, timeout=10)
         assert time.monotonic() - started >= 1.0
         assert removed.wait(10)
-        assert get_kv(settings.endpoints, reg.key) is None
+        assert store.get(reg.key) is None
         reg.close()  # idempotent
 
-        quick = register_engine(make_endpoint(), engine_id="quick", settings=settings)
+        quick = register_engine(make_endpoint(), engine_id="quick", **store.using())
         quick.drain(0)  # nothing to wait for: revoked at once
-        assert quick.state is S.CLOSED and get_kv(settings.endpoints, quick.key) is None
+        assert quick.state is S.CLOSED and store.get(quick.key) is None
 
 
 def test_a_bad_status_is_skipped_and_counted_then_the_registrar_writes_its_own(
-    settings: Settings,
+    store: Store,
 ) -> None:
-    with watch_table(settings) as table, Connection(settings) as conn:
-        reg = register_engine(make_endpoint(), engine_id="broken", ttl=3, settings=settings)
+    with watch_table(**store.using()) as table:
+        reg = register_engine(make_endpoint(), engine_id="broken", ttl=3, **store.using())
         table.wait_until(lambda snap: "broken" in snap, timeout=10)
-        value = json.loads(get_kv(settings.endpoints, reg.key)["value"])
+        value = json.loads(store.get(reg.key).value)
         value["status"] = "hibernating"
-        raw_call(conn, lambda c: c.put(reg.key, json.dumps(value), lease=reg.lease_id))
+        store.port.replace(reg.key, json.dumps(value).encode(), reg.lease_id)
         # Like any bad value: skipped and counted, and the engine leaves the table...
         table.wait_until(lambda snap: "broken" not in snap, timeout=10)
         assert table.watcher.health().skipped == 1
@@ -198,21 +196,19 @@ def test_operator_drain_and_undrain_survive_a_lost_lease(settings: Settings) -> 
         registrar.stop()
 
 
-def test_a_drain_survives_an_etcd_outage_longer_than_the_ttl(etcd, private_settings) -> None:
-    with register_engine(
-        make_endpoint(), engine_id="outage", ttl=2, settings=private_settings
-    ) as reg:
-        record = drain("outage", settings=private_settings)
+def test_a_drain_survives_an_etcd_outage_longer_than_the_ttl(private_store: Store) -> None:
+    store = private_store
+    with register_engine(make_endpoint(), engine_id="outage", ttl=2, **store.using()) as reg:
+        record = drain("outage", **store.using())
         assert record.status is EngineStatus.DRAINING and record.drain_deadline is None
         wait_for(lambda: reg.status is EngineStatus.DRAINING, message="the registrar to adopt it")
-        etcd.members[0].stop(kill=True)
+        store.down()
         assert reg.wait_for_state(S.LOST, timeout=10)
-        etcd.members[0].start()
-        etcd.wait_healthy()
+        store.up()
         assert reg.wait_for_state(S.REGISTERED, timeout=10)
-        kv = wait_for(lambda: get_kv(etcd.endpoints, reg.key), message="the record back")
-        assert json.loads(kv["value"])["status"] == "draining"
-        assert undrain("outage", settings=private_settings).status is EngineStatus.READY
+        kv = wait_for(lambda: store.get(reg.key), message="the record back")
+        assert json.loads(kv.value)["status"] == "draining"
+        assert undrain("outage", **store.using()).status is EngineStatus.READY
         wait_for(lambda: reg.status is EngineStatus.READY, message="the registrar to adopt it")
 
 

@@ -11,11 +11,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from discovery import (
     ClosedError,
     EndpointEvent,
     EtcdUnavailableError,
+    Metrics,
     RegistrationState,
     RoutingSnapshot,
     RoutingTable,
@@ -33,15 +35,9 @@ QUIET = 30.0
 
 
 @pytest.fixture
-def etcd() -> Iterator[MemoryEtcd]:
-    with MemoryEtcd() as etcd:
-        yield etcd
-
-
-@pytest.fixture
-def ports(etcd: MemoryEtcd) -> Iterator[list[MemoryPort]]:
+def ports(memory_etcd: MemoryEtcd) -> Iterator[list[MemoryPort]]:
     """Two clients of ``etcd`` (more with ``ports.append``), closed after the test."""
-    opened = [MemoryPort(etcd), MemoryPort(etcd)]
+    opened = [MemoryPort(memory_etcd), MemoryPort(memory_etcd)]
     yield opened
     for port in opened:
         port.close()
@@ -54,14 +50,16 @@ SETTINGS = Settings(namespace="memory")
 
 
 def test_an_outage_fails_every_call_and_stream_of_every_port_until_restored(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     one, two = ports
     one.replace("/k", b"1", 0)
-    watch = Reader(one.open_watch("/", etcd.revision, heartbeat=QUIET, progress_interval=QUIET))
+    watch = Reader(
+        one.open_watch("/", memory_etcd.revision, heartbeat=QUIET, progress_interval=QUIET)
+    )
     watch.next()  # created
     keepalive = Reader(two.open_keepalive())
-    with etcd.outage():
+    with memory_etcd.outage():
         assert isinstance(watch.error(), EtcdUnavailableError)
         assert isinstance(keepalive.error(), EtcdUnavailableError)
         for call in (
@@ -74,31 +72,33 @@ def test_an_outage_fails_every_call_and_stream_of_every_port_until_restored(
                 call()
     kv = two.get("/k")
     assert kv is not None and kv.value == b"1"
-    watch = Reader(one.open_watch("/", etcd.revision + 1, heartbeat=QUIET, progress_interval=1))
+    watch = Reader(
+        one.open_watch("/", memory_etcd.revision + 1, heartbeat=QUIET, progress_interval=1)
+    )
     watch.next()
-    etcd.outage(no_leader=True)  # a member without a leader: streams say so
+    memory_etcd.outage(no_leader=True)  # a member without a leader: streams say so
     assert isinstance(watch.error(), NoLeaderError)
     with pytest.raises(NoLeaderError):
         one.open_keepalive()
     with pytest.raises(EtcdUnavailableError) as refused:
         one.get("/k")
     assert not isinstance(refused.value, NoLeaderError)
-    etcd.restore()
+    memory_etcd.restore()
     assert one.get("/k") == kv
 
 
 def test_compaction_forgets_the_history_before_its_revision(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     port = ports[0]
-    assert etcd.revision == 1  # a new etcd, like a new etcd
+    assert memory_etcd.revision == 1  # a new etcd is at revision 1
     for value in (b"1", b"2", b"3"):
         port.replace("/k", value, 0)
-    assert etcd.revision == 4
+    assert memory_etcd.revision == 4
     with pytest.raises(ValueError, match="future"):
-        etcd.compact(5)
-    etcd.compact(3)
-    etcd.compact(2)  # older than the last compaction: nothing to do
+        memory_etcd.compact(5)
+    memory_etcd.compact(3)
+    memory_etcd.compact(2)  # older than the last compaction: nothing to do
     stream = port.open_watch("/", 2, heartbeat=QUIET, progress_interval=QUIET)
     error = Reader(stream).error()
     assert isinstance(error, Compacted) and error.compact_revision == 3
@@ -133,9 +133,9 @@ def test_closing_the_etcd_stops_its_lease_sweeper_and_ends_every_stream() -> Non
     assert not sweeper.is_alive()
 
 
-def test_many_ports_share_one_etcd(etcd: MemoryEtcd, ports: list[MemoryPort]) -> None:
-    ports.extend(MemoryPort(etcd) for _ in range(8))
-    start = etcd.revision + 1
+def test_many_ports_share_one_etcd(memory_etcd: MemoryEtcd, ports: list[MemoryPort]) -> None:
+    ports.extend(MemoryPort(memory_etcd) for _ in range(8))
+    start = memory_etcd.revision + 1
     watch = Reader(ports[0].open_watch("/p/", start, heartbeat=QUIET, progress_interval=QUIET))
     watch.next()
     for index, port in enumerate(ports):
@@ -150,15 +150,17 @@ def test_many_ports_share_one_etcd(etcd: MemoryEtcd, ports: list[MemoryPort]) ->
 
 
 class Events:
-    """Every (type, engine id) a routing table reports, in order."""
+    """Every (type, engine id) a routing table reports, in order, and in its batches."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.seen: list[tuple[str, str]] = []
+        self.batches: list[list[tuple[str, str]]] = []
 
     def __call__(self, batch: tuple[EndpointEvent, ...], snapshot: RoutingSnapshot) -> None:
         with self._cond:
-            self.seen.extend((event.type.value, event.engine_id) for event in batch)
+            self.batches.append([(event.type.value, event.engine_id) for event in batch])
+            self.seen.extend(self.batches[-1])
             self._cond.notify_all()
 
     def wait(self, *expected: tuple[str, str], timeout: float = 5.0) -> None:
@@ -168,9 +170,11 @@ class Events:
                 raise AssertionError(f"saw {self.seen}, not ending with {list(expected)}")
 
 
-def _table(port: MemoryPort, events: Events) -> RoutingTable:
+def _table(port: MemoryPort, events: Events, metrics: Metrics | None = None) -> RoutingTable:
     """A table on ``port`` reporting to ``events``; ``with`` starts it."""
-    table = watch_table(SETTINGS, connection=port, heartbeat=QUIET, progress_interval=QUIET)
+    table = watch_table(
+        SETTINGS, connection=port, heartbeat=QUIET, progress_interval=QUIET, metrics=metrics
+    )
     table.subscribe(events)
     return table
 
@@ -213,7 +217,7 @@ def test_a_lease_revoked_from_outside_is_replaced_and_the_record_written_again(
 
 
 def test_an_outage_longer_than_the_ttl_loses_the_lease_and_the_record_comes_back(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     registrar, other = ports
     events = Events()
@@ -224,10 +228,10 @@ def test_an_outage_longer_than_the_ttl_loses_the_lease_and_the_record_comes_back
         ) as registration,
     ):
         events.wait(("added", "e0"))
-        old, before = registration.lease_id, etcd.revision
-        with etcd.outage():
+        old, before = registration.lease_id, memory_etcd.revision
+        with memory_etcd.outage():
             # The cluster keeps time: the lease expires, deleting the record (a revision).
-            wait_for(lambda: etcd.revision > before, timeout=5, message="the lease's expiry")
+            wait_for(lambda: memory_etcd.revision > before, timeout=5, message="the lease's expiry")
             assert registration.wait_for_state(RegistrationState.LOST, timeout=5)
         assert registration.wait_for_state(RegistrationState.REGISTERED, timeout=5)
         events.wait(("added", "e0"), ("removed", "e0"), ("added", "e0"))
@@ -264,14 +268,19 @@ class _Unwatchable(MemoryPort):
 
 
 def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
-    etcd: MemoryEtcd, ports: list[MemoryPort]
+    memory_etcd: MemoryEtcd, ports: list[MemoryPort]
 ) -> None:
     registrar = ports[0]
-    watcher = _Unwatchable(etcd)
+    watcher = _Unwatchable(memory_etcd)
     ports.append(watcher)
     events = Events()
+    registry = CollectorRegistry()
+
+    def metric(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"prefix": SETTINGS.keyspace.prefix, **labels})
+
     with (
-        _table(watcher, events) as table,
+        _table(watcher, events, Metrics(registry)) as table,
         register_engine(
             make_endpoint(0), engine_id="e0", connection=registrar, settings=SETTINGS
         ) as e0,
@@ -281,22 +290,46 @@ def test_a_compaction_while_the_watch_is_down_relists_the_exact_difference(
     ):
         wait_for(lambda: set(table.snapshot()) == {"e0", "e1"}, message="both engines")
         watcher.cut()
-        wait_for(lambda: table.watcher.health().reconnects > 0, message="the watch down")
+        wait_for(
+            lambda: (
+                metric("discovery_watcher_connected") == 0
+                and metric("discovery_watcher_reconnects_total", cause="stream_error")
+            ),
+            message="the watch down, and said so",
+        )
         e1.close()
         e0.set_status("draining")
         wait_for(lambda: b"draining" in registrar.get(e0.key).value, message="e0 draining")
+        # Came and went while the watch was down: nothing to report.
+        register_engine(
+            make_endpoint(3), engine_id="e3", connection=registrar, settings=SETTINGS
+        ).close()
         with register_engine(
             make_endpoint(2), engine_id="e2", connection=registrar, settings=SETTINGS
         ):
-            etcd.compact(etcd.revision)
+            memory_etcd.compact(memory_etcd.revision)
             seen = len(events.seen)
             watcher.heal()
             wait_for(lambda: table.watcher.health().relists == 1, message="a relist")
             wait_for(lambda: len(events.seen) == seen + 3, message="the difference")
-            assert sorted(events.seen[seen:]) == [
+            # The exact difference, in one batch (one atomic apply).
+            assert sorted(events.batches[-1]) == [
                 ("added", "e2"),
                 ("removed", "e1"),
                 ("updated", "e0"),
             ]
             record = table.get("e0")
             assert record is not None and record.status.value == "draining"
+            assert set(table.snapshot()) == {"e0", "e2"}
+            wait_for(
+                lambda: (
+                    (
+                        metric("discovery_watcher_relists_total", cause="compaction"),
+                        metric("discovery_watcher_reconnects_total", cause="compaction"),
+                        metric("discovery_watcher_events_total", type="added"),  # e0, e1, e2
+                        metric("discovery_watcher_connected"),
+                    )
+                    == (1, 1, 3, 1)
+                ),
+                message="the metrics: one relist after one compaction, 3 added, connected",
+            )

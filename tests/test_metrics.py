@@ -1,4 +1,6 @@
-"""Prometheus metrics, JSON logs and health, scraped during real-etcd scenarios (issue 8)."""
+"""Prometheus metrics, JSON logs and health (issue 8): the metrics' values on the memory
+port and on real etcd (``store``); reconnects of a real cluster, the CLI's metrics and log
+lines on real etcd."""
 
 from __future__ import annotations
 
@@ -28,19 +30,18 @@ from discovery import (
 from discovery._codec import encode
 from discovery._record import EngineRecord
 
-from .helpers import Registrar, cli_env, etcdctl, make_endpoint, raw_call, run_cli, wait_for
+from .conftest import Store
+from .helpers import cli_env, make_endpoint, raw_call, run_cli, wait_for
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
-def test_registration_metrics_follow_the_lifecycle(settings: Settings) -> None:
+def test_registration_metrics_follow_the_lifecycle(store: Store) -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    reg = register_engine(
-        make_endpoint(), engine_id="m1", ttl=3, settings=settings, metrics=metrics
-    )
+    reg = register_engine(make_endpoint(), engine_id="m1", ttl=3, metrics=metrics, **store.using())
     state = "discovery_registration_state"
     assert _value(registry, state, engine_id="m1", state="registered") == 1
     assert _value(registry, state, engine_id="m1", state="lost") == 0
@@ -54,7 +55,7 @@ def test_registration_metrics_follow_the_lifecycle(settings: Settings) -> None:
     )
     assert _value(registry, "discovery_keepalive_age_seconds", engine_id="m1") < 3
 
-    etcdctl(settings.endpoints, "lease", "revoke", f"{reg.lease_id:016x}")
+    store.port.revoke(reg.lease_id)
     wait_for(
         lambda: _value(registry, "discovery_reregistrations_total") == 1, message="re-registration"
     )
@@ -68,14 +69,14 @@ def test_registration_metrics_follow_the_lifecycle(settings: Settings) -> None:
     assert registry.get_sample_value("discovery_keepalive_age_seconds", {"engine_id": "m1"}) is None
 
 
-def test_status_metrics_of_a_registration_and_a_table(settings: Settings) -> None:
+def test_status_metrics_of_a_registration_and_a_table(store: Store) -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     status = "discovery_registration_status"
     engines = "discovery_routing_engines"
-    with watch_table(settings, metrics=metrics) as table:
+    with watch_table(metrics=metrics, **store.using()) as table:
         reg = register_engine(
-            make_endpoint(), engine_id="st", status="starting", settings=settings, metrics=metrics
+            make_endpoint(), engine_id="st", status="starting", metrics=metrics, **store.using()
         )
         assert _value(registry, status, engine_id="st", status="starting") == 1
         table.wait_until(lambda snap: "st" in snap, timeout=10)
@@ -90,37 +91,31 @@ def test_status_metrics_of_a_registration_and_a_table(settings: Settings) -> Non
         assert registry.get_sample_value(status, {"engine_id": "st", "status": "draining"}) is None
 
 
-def test_watcher_metrics_for_events_malformed_values_and_a_sigkilled_registrar(
-    settings: Settings,
-) -> None:
+def test_watcher_metrics_for_events_malformed_values_and_an_expired_lease(store: Store) -> None:
     registry = CollectorRegistry()
-    prefix = settings.keyspace.prefix
-    with watch_table(settings, metrics=Metrics(registry)) as table:
+    prefix = store.settings.keyspace.prefix
+    with watch_table(metrics=Metrics(registry), **store.using()) as table:
         assert _value(registry, "discovery_watcher_connected", prefix=prefix) == 1
         assert _value(registry, "discovery_routing_engines", selector="", status="ready") == 0
-        registrar = Registrar(settings, "doomed", ttl=2)
-        try:
-            table.wait_until(lambda snap: "doomed" in snap, timeout=10)
-            events = "discovery_watcher_events_total"
-            assert _value(registry, events, prefix=prefix, type="added") == 1
-            engines = "discovery_routing_engines"
-            assert _value(registry, engines, selector="", status="ready") == 1
-            assert _value(registry, engines, selector="", status="draining") == 0
-            registrar.signal(9)
-            table.wait_until(lambda snap: "doomed" not in snap, timeout=2 + 2)
-            assert _value(registry, events, prefix=prefix, type="removed") == 1
-        finally:
-            registrar.stop()
-        with Connection(settings) as conn:
-            raw_call(conn, lambda c: c.put(prefix + "junk", b"\xff not json"))
+        # A registrar that dies: its record on a lease nobody keeps alive.
+        doomed = EngineRecord(engine_id="doomed", endpoint=make_endpoint())
+        store.port.create(prefix + "doomed", encode(doomed), store.port.grant(2))
+        table.wait_until(lambda snap: "doomed" in snap, timeout=10)
+        engines = "discovery_routing_engines"
+        assert _value(registry, engines, selector="", status="ready") == 1
+        assert _value(registry, engines, selector="", status="draining") == 0
+        events = "discovery_watcher_events_total"
+        # Counted just after the table applies the batch: waited for, not raced.
+        wait_for(lambda: _value(registry, events, prefix=prefix, type="added") == 1)
+        table.wait_until(lambda snap: "doomed" not in snap, timeout=2 + 2)
+        wait_for(lambda: _value(registry, events, prefix=prefix, type="removed") == 1)
+        junk = store.port.replace(prefix + "junk", b"\xff not json", 0).revision
         wait_for(
-            lambda: (
-                _value(registry, "discovery_watcher_malformed_values_total", prefix=prefix) == 1
-            ),
-            message="malformed value counted",
+            lambda: _value(registry, "discovery_watcher_revision", prefix=prefix) == junk,
+            message="the watcher at the junk's revision",
         )
-        revision = _value(registry, "discovery_watcher_revision", prefix=prefix)
-        assert revision == table.watcher.revision > 0
+        assert table.watcher.revision == junk
+        assert _value(registry, "discovery_watcher_malformed_values_total", prefix=prefix) == 1
         assert _value(registry, "discovery_watcher_lag_revisions", prefix=prefix) == 0
         assert (
             _value(registry, "discovery_watcher_apply_duration_seconds_count", prefix=prefix) >= 2
@@ -178,12 +173,12 @@ def test_reconnect_and_compaction_relist_metrics(etcd3) -> None:
         assert _value(registry, "discovery_watcher_events_total", prefix=prefix, type="added") == 2
 
 
-def test_router_metrics(settings: Settings) -> None:
+def test_router_metrics(store: Store) -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     with (
-        register_engine(make_endpoint(1), engine_id="r1", settings=settings),
-        watch_table(settings, metrics=metrics) as table,
+        register_engine(make_endpoint(1), engine_id="r1", **store.using()),
+        watch_table(metrics=metrics, **store.using()) as table,
     ):
         table.wait_until(lambda snap: "r1" in snap, timeout=5)
         router = Router(table, policy="round_robin", metrics=metrics)
@@ -201,15 +196,13 @@ _NAME = re.compile(r"discovery_[a-z][a-z0-9_]*")
 _FORBIDDEN_LABELS = {"request_id", "prompt", "key", "lease", "lease_id", "revision", "address"}
 
 
-def test_exposition_follows_prometheus_conventions(settings: Settings) -> None:
+def test_exposition_follows_prometheus_conventions(store: Store) -> None:
     """Valid names, _total counters, base units in seconds, bounded labels, help text."""
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     with (
-        register_engine(
-            make_endpoint(), engine_id="lint", settings=settings, metrics=metrics
-        ) as reg,
-        watch_table(settings, metrics=metrics) as table,
+        register_engine(make_endpoint(), engine_id="lint", metrics=metrics, **store.using()) as reg,
+        watch_table(metrics=metrics, **store.using()) as table,
     ):
         table.wait_until(lambda snap: "lint" in snap, timeout=5)
         Router(table, metrics=metrics).pick([1] * 300, max_tokens=5).release()

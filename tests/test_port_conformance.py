@@ -35,6 +35,7 @@ from discovery._port import (
 )
 from discovery.memory import MemoryEtcd, MemoryPort
 
+from .conftest import STORES
 from .helpers import raw_call
 
 QUIET = 30.0  # heartbeat / progress interval of watches that must not see progress
@@ -80,7 +81,7 @@ class Backend:
             port.close()
 
 
-@pytest.fixture(params=["memory", "etcd"])
+@pytest.fixture(params=STORES)
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "memory":
         with MemoryEtcd() as etcd:
@@ -573,7 +574,7 @@ def test_closing_the_port_runs_its_hooks_then_ends_its_streams(backend: Backend)
 Outage = tuple[EtcdPort, Callable[[], object], Callable[[], object]]
 
 
-@pytest.fixture(params=["memory", "etcd"])
+@pytest.fixture(params=STORES)
 def outage(request: pytest.FixtureRequest) -> Iterator[Outage]:
     """A port, and how to take its etcd down and bring it back."""
     if request.param == "memory":

@@ -35,6 +35,9 @@ from discovery.embedded import EtcdCluster, EtcdGrpcProxy, find_binary
 from .helpers import etcdctl, make_endpoint, wait_for
 from .test_watcher import Recorder
 
+# Every test runs etcd and its gRPC proxy, or etcd's own --help.
+pytestmark = pytest.mark.external
+
 NOTIFY = ["--experimental-watch-progress-notify-interval", "500ms"]
 HEARTBEAT = 2.0  # the watcher's watchdog: progress request after 2 s quiet, drop after 4 s
 

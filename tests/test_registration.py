@@ -1,4 +1,5 @@
-"""Lease-backed registration against real etcd (issue 3)."""
+"""Lease-backed registration (issue 3): its logic on the memory port and on real etcd
+(``store``), what only etcd shows (etcdctl, restarts, failover, stalls) on real etcd."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from discovery import (
 )
 from discovery._codec import KeySpace
 
+from .conftest import Store
 from .containers import both_etcds
 from .helpers import (
     Registrar,
@@ -84,19 +86,17 @@ def test_record_is_documented_json_on_a_lease(settings: Settings) -> None:
         assert get_kv(settings.endpoints, reg.key)["lease"] == reg.lease_id
 
 
-def test_close_revokes_the_lease_and_is_idempotent(settings: Settings) -> None:
-    reg = register_engine(make_endpoint(), engine_id="closing", ttl=30, settings=settings)
+def test_close_revokes_the_lease_and_is_idempotent(store: Store) -> None:
+    reg = register_engine(make_endpoint(), engine_id="closing", ttl=30, **store.using())
     lease = reg.lease_id
     reg.close()
-    assert get_kv(settings.endpoints, reg.key) is None  # gone when close() returns
+    assert store.get(reg.key) is None  # gone when close() returns
     assert reg.state is RegistrationState.CLOSED
     reg.close()
-    ttl = etcdctl(settings.endpoints, "lease", "timetolive", f"{lease:016x}")
-    assert "already expired" in ttl.stdout
+    assert store.port.lease_info(lease).ttl <= 0  # revoked
 
 
-def test_invalid_input_is_refused_before_any_write(settings: Settings) -> None:
-    prefix = KeySpace(namespace=settings.namespace).prefix
+def test_invalid_input_is_refused_before_any_write(store: Store) -> None:
     bad_calls = [
         dict(engine_id="has/slash"),
         dict(engine_id=""),
@@ -108,76 +108,74 @@ def test_invalid_input_is_refused_before_any_write(settings: Settings) -> None:
     ]
     for kwargs in bad_calls:
         with pytest.raises(InvalidRecordError):
-            register_engine(make_endpoint(), settings=settings, **kwargs)
+            register_engine(make_endpoint(), **store.using(), **kwargs)
     with pytest.raises(InvalidRecordError, match="InferenceEngineEndpoint"):
-        register_engine({"coordinator_address": "x"}, settings=settings)  # type: ignore[arg-type]
+        register_engine({"coordinator_address": "x"}, **store.using())  # type: ignore[arg-type]
     big_labels = {f"k{i}": "v" * 250 for i in range(64)}
     with pytest.raises(InvalidRecordError, match="over the"):
-        register_engine(make_endpoint(), labels=big_labels, settings=settings)
-    assert etcdctl(settings.endpoints, "get", "--prefix", prefix).stdout == ""
+        register_engine(make_endpoint(), labels=big_labels, **store.using())
+    assert store.port.list_prefix(store.settings.keyspace.prefix)[1] == []
 
 
-def test_duplicate_engine_id_is_refused_and_replace_takes_over(settings: Settings) -> None:
-    first = register_engine(make_endpoint(1), engine_id="dup", ttl=20, settings=settings)
+def test_duplicate_engine_id_is_refused_and_replace_takes_over(store: Store) -> None:
+    first = register_engine(make_endpoint(1), engine_id="dup", ttl=20, **store.using())
     states = _states(first)
-    before = get_kv(settings.endpoints, first.key)
+    before = store.get(first.key)
     with pytest.raises(EngineConflictError) as caught:
-        register_engine(make_endpoint(2), engine_id="dup", ttl=20, settings=settings)
+        register_engine(make_endpoint(2), engine_id="dup", ttl=20, **store.using())
     error = caught.value
     assert error.lease_id == first.lease_id
     assert 0 < error.remaining_ttl <= 20
     assert f"lease {first.lease_id:016x}" in str(error) and "remaining TTL" in str(error)
-    assert get_kv(settings.endpoints, first.key) == before  # untouched
+    assert store.get(first.key) == before  # untouched
 
     second = register_engine(
-        make_endpoint(2), engine_id="dup", ttl=20, settings=settings, replace=True
+        make_endpoint(2), engine_id="dup", ttl=20, replace=True, **store.using()
     )
     try:
-        kv = get_kv(settings.endpoints, second.key)
-        assert kv["lease"] == second.lease_id
-        assert (
-            json.loads(kv["value"])["coordinator_address"] == make_endpoint(2).coordinator_address
-        )
+        kv = store.get(second.key)
+        assert kv.lease == second.lease_id
+        assert json.loads(kv.value)["coordinator_address"] == make_endpoint(2).coordinator_address
         # The previous holder learns it lost the id and does not steal it back.
         assert first.wait_for_state(RegistrationState.LOST, timeout=10)
         wait_for(
             lambda: first.health().last_error and "already registered" in first.health().last_error,
             message="the old holder to report the conflict",
         )
-        assert get_kv(settings.endpoints, second.key)["lease"] == second.lease_id
+        assert store.get(second.key).lease == second.lease_id
         assert RegistrationState.LOST in states
     finally:
         second.close()
         first.close()
 
 
-def test_update_publishes_atomically_under_the_same_lease(settings: Settings) -> None:
+def test_update_publishes_atomically_under_the_same_lease(store: Store) -> None:
     with register_engine(
-        make_endpoint(1), engine_id="upd", labels={"a": "1"}, settings=settings
+        make_endpoint(1), engine_id="upd", labels={"a": "1"}, **store.using()
     ) as reg:
         lease = reg.lease_id
         reg.update(labels={"a": "2", "zone": "z1"}, endpoint=make_endpoint(7))
-        kv = get_kv(settings.endpoints, reg.key)
-        value = json.loads(kv["value"])
+        kv = store.get(reg.key)
+        value = json.loads(kv.value)
         assert value["labels"] == {"a": "2", "zone": "z1"}
         assert value["coordinator_address"] == make_endpoint(7).coordinator_address
-        assert kv["lease"] == lease == reg.lease_id
+        assert kv.lease == lease == reg.lease_id
         with pytest.raises(InvalidRecordError):
             reg.update(labels={"no spaces": "x"})
-        assert json.loads(get_kv(settings.endpoints, reg.key)["value"])["labels"]["a"] == "2"
+        assert json.loads(store.get(reg.key).value)["labels"]["a"] == "2"
 
 
-def test_operator_revoke_brings_the_record_back(settings: Settings) -> None:
-    with register_engine(make_endpoint(), engine_id="revoked", ttl=3, settings=settings) as reg:
+def test_operator_revoke_brings_the_record_back(store: Store) -> None:
+    with register_engine(make_endpoint(), engine_id="revoked", ttl=3, **store.using()) as reg:
         states = _states(reg)
         old_lease = reg.lease_id
-        assert etcdctl(settings.endpoints, "lease", "revoke", f"{old_lease:016x}").returncode == 0
+        store.port.revoke(old_lease)
         kv = wait_for(
-            lambda: (kv := get_kv(settings.endpoints, reg.key)) and kv["lease"] != old_lease and kv,
+            lambda: (kv := store.get(reg.key)) and kv.lease != old_lease and kv,
             timeout=5,
             message="the record to come back on a new lease",
         )
-        assert kv["lease"] == reg.lease_id
+        assert kv.lease == reg.lease_id
         wait_for(
             lambda: states[-2:] == [RegistrationState.LOST, RegistrationState.REGISTERED],
             message="lost then registered hooks",
@@ -437,43 +435,52 @@ def _fake_engine():
     )
 
 
-def test_register_dynamic_engine_reads_the_engine_once(settings: Settings) -> None:
+def test_register_dynamic_engine_reads_the_engine_once(store: Store) -> None:
     with register_dynamic_engine(
         _fake_engine(),
         "tcp://engine:7000",
         logical_data_parallel_size=2,
         engine_id="megatron",
-        settings=settings,
+        **store.using(),
     ) as reg:
-        caps = json.loads(get_kv(settings.endpoints, reg.key)["value"])["capabilities"]
+        caps = json.loads(store.get(reg.key).value)["capabilities"]
         assert caps["total_kv_blocks"] == 512
         assert caps["bos_token_id"] == 7
         assert caps["logical_data_parallel_size"] == 2
 
 
-def test_async_registration_does_not_block_the_loop(settings: Settings) -> None:
-    async def main() -> tuple[int, bool]:
-        ticks = 0
+def test_async_registration_does_not_block_the_loop(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = store.client()
+    looped = threading.Event()
+    grant = conn.grant
+
+    def grant_once_the_loop_ran_on(ttl: int) -> int:
+        assert looped.wait(10), "the event loop stood still while the registration ran"
+        return grant(ttl)
+
+    monkeypatch.setattr(conn, "grant", grant_once_the_loop_ran_on)
+
+    async def main() -> bool:
         stop = asyncio.Event()
 
         async def ticker() -> None:
-            nonlocal ticks
-            while not stop.is_set():
-                ticks += 1
+            for _ in range(10):
                 await asyncio.sleep(0)
+            looped.set()
+            await stop.wait()
 
         task = asyncio.create_task(ticker())
         async with await aregister_engine(
-            make_endpoint(), engine_id="aio", settings=settings
+            make_endpoint(), engine_id="aio", settings=store.settings, connection=conn
         ) as reg:
-            present = get_kv(settings.endpoints, reg.key) is not None
+            present = store.get(reg.key) is not None
         stop.set()
         await task
-        return ticks, present and get_kv(settings.endpoints, reg.key) is None
+        return present and store.get(reg.key) is None
 
-    ticks, ok = asyncio.run(main())
-    assert ok
-    assert ticks > 10  # the loop kept running while etcd calls happened in threads
+    assert asyncio.run(main())
 
 
 def test_default_engine_id_is_unique_stable_and_key_safe() -> None:
@@ -485,11 +492,17 @@ def test_default_engine_id_is_unique_stable_and_key_safe() -> None:
     KeySpace().key(first)
 
 
-def test_many_registrations_share_one_keeper_thread(settings: Settings) -> None:
+def test_many_registrations_share_one_keeper_thread(store: Store) -> None:
     before = {t.name for t in threading.enumerate()}
-    with Connection(settings) as conn:
+    with store.client() as conn:
         regs = [
-            register_engine(make_endpoint(i), engine_id=f"many-{i}", ttl=3, connection=conn)
+            register_engine(
+                make_endpoint(i),
+                engine_id=f"many-{i}",
+                ttl=3,
+                settings=store.settings,
+                connection=conn,
+            )
             for i in range(50)
         ]
         keepers = [t for t in threading.enumerate() if t.name == "discovery-keeper"]
@@ -503,10 +516,7 @@ def test_many_registrations_share_one_keeper_thread(settings: Settings) -> None:
         )
         for reg in regs:
             reg.close()
-        result = etcdctl(
-            settings.endpoints, "get", "--prefix", "--keys-only", settings.keyspace.prefix
-        )
-        assert result.stdout.strip() == ""
+        assert store.port.list_prefix(store.settings.keyspace.prefix)[1] == []
 
 
 def _many(settings: Settings, count: int, ttl: int) -> tuple[Connection, list]:
@@ -567,9 +577,9 @@ def test_mass_loss_settles_with_one_rewrite_each(etcd, private_settings: Setting
 
 
 def test_a_failing_keeper_turn_does_not_stop_keepalives(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with register_engine(make_endpoint(), engine_id="bug", ttl=3, settings=settings) as reg:
+    with register_engine(make_endpoint(), engine_id="bug", ttl=3, **store.using()) as reg:
         original = type(reg.session)._keepalive
         failures = []
 
@@ -588,13 +598,13 @@ def test_a_failing_keeper_turn_does_not_stop_keepalives(
 
 
 def test_a_write_whose_answer_was_lost_is_not_a_conflict(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
+    store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """etcd applied the create, but its answer never came (say its member was cut off from
     the cluster just after the entry was replicated), and a revoke would fail too: the retry
     finds the record on the registration's own session lease, which is ours, not a rival's
     (the session keeps its lease across attempts, so there is no attempt lease to lose)."""
-    conn = Connection(settings)
+    conn = store.client()
     create, revoke = conn.create, conn.revoke
     lost: list[int] = []
 
@@ -613,11 +623,10 @@ def test_a_write_whose_answer_was_lost_is_not_a_conflict(
 
     monkeypatch.setattr(conn, "create", create_and_lose_the_answer)
     monkeypatch.setattr(conn, "revoke", revoke_fails_once)
-    try:
-        with register_engine(make_endpoint(), engine_id="unsure", ttl=5, connection=conn) as reg:
-            assert reg.state is RegistrationState.REGISTERED and lost
-            kv = get_kv(settings.endpoints, settings.keyspace.key("unsure"))
-            assert kv is not None and kv["lease"] == reg.lease_id == lost[0]
-            assert reg.health().registrations == 1 and reg.health().losses == 0
-    finally:
-        conn.close()
+    with register_engine(
+        make_endpoint(), engine_id="unsure", ttl=5, settings=store.settings, connection=conn
+    ) as reg:
+        assert reg.state is RegistrationState.REGISTERED and lost
+        kv = store.get(reg.key)
+        assert kv is not None and kv.lease == reg.lease_id == lost[0]
+        assert reg.health().registrations == 1 and reg.health().losses == 0

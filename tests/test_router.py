@@ -1,7 +1,8 @@
 """Client-side routing on the live table (issue 5).
 
 Unit tests feed a RoutingTable by hand (``table.store.apply``), with no watcher, so they
-need no etcd; the last tests use the shared etcd fixtures.
+need no etcd; the last tests route over tables that watch engines registered on the
+memory port and on real etcd (``store``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from discovery import (
 from discovery._record import EngineRecord
 from discovery._store import Change, EngineStore
 
+from .conftest import Store
 from .helpers import make_endpoint
 
 FPB = PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK
@@ -256,6 +258,7 @@ print(",".join(router.pick([rng.randrange(32000) for _ in range(300)], 1).engine
 """
 
 
+@pytest.mark.external  # 3 interpreters
 def test_first_prefix_block_is_deterministic_across_processes() -> None:
     root = str(Path(__file__).resolve().parent.parent)
     script = _CROSS_PROCESS.format(root=root)
@@ -867,14 +870,14 @@ def test_concurrent_picks_and_releases_balance_out() -> None:
         assert set(router.in_flight().values()) == {0}, policy
 
 
-# -- against etcd ----------------------------------------------------------------------
+# -- on a live table --------------------------------------------------------------------
 
 
-def test_engine_closed_in_etcd_is_never_picked_again(settings: Settings) -> None:
-    a = register_engine(make_endpoint(1), engine_id="engine-a", ttl=5, settings=settings)
-    b = register_engine(make_endpoint(2), engine_id="engine-b", ttl=5, settings=settings)
+def test_engine_closed_in_etcd_is_never_picked_again(store: Store) -> None:
+    a = register_engine(make_endpoint(1), engine_id="engine-a", ttl=5, **store.using())
+    b = register_engine(make_endpoint(2), engine_id="engine-b", ttl=5, **store.using())
     try:
-        with watch_table(settings) as table:
+        with watch_table(**store.using()) as table:
             table.wait_until(lambda snap: {"engine-a", "engine-b"} <= set(snap), timeout=15)
             router = Router(table, policy="round_robin")
             assert set(picks(router, [1] * 100, 10)) == {"engine-a", "engine-b"}
@@ -892,17 +895,17 @@ def test_engine_closed_in_etcd_is_never_picked_again(settings: Settings) -> None
         b.close()
 
 
-def test_independent_routers_agree_on_the_first_choice(settings: Settings) -> None:
+def test_independent_routers_agree_on_the_first_choice(store: Store) -> None:
     """Several routers over tables fed by etcd pick the same engine until overloaded."""
     regs = [
         register_engine(
-            make_endpoint(i, kv_cache_block_size=16), engine_id=f"agree-{i}", settings=settings
+            make_endpoint(i, kv_cache_block_size=16), engine_id=f"agree-{i}", **store.using()
         )
         for i in range(8)
     ]
     ids = [reg.engine_id for reg in regs]
     try:
-        with watch_table(settings) as one, watch_table(settings) as two:
+        with watch_table(**store.using()) as one, watch_table(**store.using()) as two:
             for table in (one, two):
                 table.wait_until(lambda snap: set(ids) <= set(snap), timeout=15)
             routers = [Router(t, policy="first_prefix_block") for t in (one, one, two, two)]

@@ -27,10 +27,10 @@ from discovery import (
     undrain,
 )
 from discovery._codec import KeySpace, encode
-from discovery._connection import Connection
 from discovery._record import EngineRecord
 
-from .helpers import MEGATRON_FIELDS, caps_kwargs, get_kv, make_endpoint, raw_call, wait_for
+from .conftest import Store
+from .helpers import MEGATRON_FIELDS, caps_kwargs, make_endpoint, wait_for
 
 PACKAGE = Path(__file__).resolve().parent.parent / "discovery"
 
@@ -87,6 +87,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.external  # a fresh interpreter
 def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
     tmp_path: Path,
 ) -> None:
@@ -182,54 +183,47 @@ def test_a_record_refuses_known_names_as_unknown_keys() -> None:
         encode(EngineRecord("e1", make_endpoint(), extra={"when": object()}))
 
 
-def _stored(settings: Settings, key: str) -> dict[str, Any]:
-    """The stored value at ``key``, as etcdctl reads it."""
-    kv = wait_for(lambda: get_kv(settings.endpoints, key), message=f"{key} in etcd")
-    return json.loads(kv["value"])
+def _stored(store: Store, key: str) -> dict[str, Any]:
+    """The stored value at ``key``."""
+    kv = wait_for(lambda: store.get(key), message=f"{key} in etcd")
+    return json.loads(kv.value)
 
 
-def _outside_write(settings: Settings, key: str, change: Any) -> None:
+def _outside_write(store: Store, key: str, change: Any) -> None:
     """Rewrite the stored value on its lease, as another writer would (compare-and-swap)."""
-    with Connection(settings) as conn:
-        found = raw_call(conn, lambda _: conn.get(key))
-        assert found is not None
-        result = raw_call(
-            conn,
-            lambda _: conn.update(
-                key, change(found.value), found.lease, mod_revision=found.mod_revision
-            ),
-        )
-        assert result.succeeded
+    found = store.get(key)
+    assert found is not None
+    result = store.port.update(
+        key, change(found.value), found.lease, mod_revision=found.mod_revision
+    )
+    assert result.succeeded
 
 
-def test_unknown_keys_survive_update_drain_undrain_and_reregistration(
-    settings: Settings,
-) -> None:
-    key = settings.keyspace.key("future")
-    with register_engine(make_endpoint(), engine_id="future", ttl=30, settings=settings) as reg:
-        _outside_write(settings, key, _with_future_keys)
+def test_unknown_keys_survive_update_drain_undrain_and_reregistration(store: Store) -> None:
+    key = store.settings.keyspace.key("future")
+    with register_engine(make_endpoint(), engine_id="future", ttl=30, **store.using()) as reg:
+        _outside_write(store, key, _with_future_keys)
         wait_for(lambda: reg.record.extra, message="the registrar adopts the unknown keys")
         assert dict(reg.record.extra_capabilities) == FUTURE_CAPS
 
         reg.update(labels={"model": "m2"})
-        stored = _stored(settings, key)
+        stored = _stored(store, key)
         assert stored["labels"] == {"model": "m2"}
         _assert_future_keys(stored)
 
-        assert drain("future", settings=settings).status is EngineStatus.DRAINING
-        _assert_future_keys(_stored(settings, key))
-        assert undrain("future", settings=settings).status is EngineStatus.READY
-        _assert_future_keys(_stored(settings, key))
+        assert drain("future", **store.using()).status is EngineStatus.DRAINING
+        _assert_future_keys(_stored(store, key))
+        assert undrain("future", **store.using()).status is EngineStatus.READY
+        _assert_future_keys(_stored(store, key))
 
         # The lease goes (an operator's revoke): the registrar writes its record again.
         lease = reg.lease_id
-        with Connection(settings) as conn:
-            raw_call(conn, lambda _: conn.revoke(lease))
+        store.port.revoke(lease)
         wait_for(
             lambda: reg.lease_id != lease and reg.state is RegistrationState.REGISTERED,
             message="registered again on a new lease",
         )
-        stored = _stored(settings, key)
+        stored = _stored(store, key)
         _assert_future_keys(stored)
         assert stored["labels"] == {"model": "m2"}
 
@@ -255,7 +249,7 @@ class MegatronStyleEndpoint:
         }
 
 
-def test_megatron_shaped_endpoint_objects_register(settings: Settings) -> None:
+def test_megatron_shaped_endpoint_objects_register(store: Store) -> None:
     theirs = MegatronStyleEndpoint(
         "tcp://10.1.1.1:7000",
         **caps_kwargs(),
@@ -263,9 +257,9 @@ def test_megatron_shaped_endpoint_objects_register(settings: Settings) -> None:
         prefix_caching_coordinator_policy=MegatronStylePolicy("longest_prefix"),
         kv_dtype="fp8",  # a field of a newer Megatron
     )
-    key = settings.keyspace.key("theirs")
-    with register_engine(theirs, engine_id="theirs", settings=settings) as reg:
-        stored = _stored(settings, key)
+    key = store.settings.keyspace.key("theirs")
+    with register_engine(theirs, engine_id="theirs", **store.using()) as reg:
+        stored = _stored(store, key)
         assert stored["coordinator_address"] == "tcp://10.1.1.1:7000"
         assert stored["capabilities"]["prefix_caching_coordinator_policy"] == "longest_prefix"
         assert stored["capabilities"]["kv_dtype"] == "fp8"
@@ -274,7 +268,7 @@ def test_megatron_shaped_endpoint_objects_register(settings: Settings) -> None:
         # update() takes one too; the new object's own unknown capability replaces the old.
         newer = MegatronStyleEndpoint("tcp://10.1.1.1:7001", **caps_kwargs(), kv_dtype="fp4")
         reg.update(endpoint=newer)
-        stored = _stored(settings, key)
+        stored = _stored(store, key)
         assert stored["coordinator_address"] == "tcp://10.1.1.1:7001"
         assert stored["capabilities"]["kv_dtype"] == "fp4"
 
@@ -330,14 +324,14 @@ def _engine(config: object) -> SimpleNamespace:
     )
 
 
-def test_from_engine_works_on_a_config_without_the_policy_field(settings: Settings) -> None:
+def test_from_engine_works_on_a_config_without_the_policy_field(store: Store) -> None:
     """Megatron before March 2026: the inference config has no routing policy."""
     old = _engine(SimpleNamespace(other_setting=1))
     endpoint = InferenceEngineEndpoint.from_engine("tcp://old:1", old)
     assert endpoint.capabilities.prefix_caching_coordinator_policy is None
     assert endpoint.capabilities.total_kv_blocks == 100
-    with register_dynamic_engine(old, "tcp://old:1", engine_id="old", settings=settings):
-        stored = _stored(settings, settings.keyspace.key("old"))
+    with register_dynamic_engine(old, "tcp://old:1", engine_id="old", **store.using()):
+        stored = _stored(store, store.settings.keyspace.key("old"))
         assert stored["capabilities"]["prefix_caching_coordinator_policy"] is None
     new = _engine(SimpleNamespace(prefix_caching_coordinator_policy="load_balanced"))
     policy = InferenceEngineEndpoint.from_engine("tcp://new:1", new).capabilities

@@ -34,6 +34,9 @@ from discovery.embedded import EtcdCluster, ServerTLS
 from .conftest import _checked_cluster
 from .helpers import TcpForwarder, cli_env, make_endpoint, wait_for
 
+# Every test runs an etcd of its own (TLS, auth, JWT), some the CLI too.
+pytestmark = pytest.mark.external
+
 SECRET = "s3cr3t-Marker-7f1c"  # a password no log, repr or message may ever show
 
 

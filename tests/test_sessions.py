@@ -1,4 +1,5 @@
-"""Sessions: many registrations of one process on one lease (issue 16), against real etcd."""
+"""Sessions: many registrations of one process on one lease (issue 16), on the memory port
+and on real etcd (``store``); a mass loss on real etcd."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from discovery import (
     Connection,
     EngineConflictError,
     EngineStatus,
+    EtcdPort,
     RegistrationState,
     Session,
     Settings,
@@ -20,25 +22,23 @@ from discovery import (
     register_engine,
 )
 
-from .helpers import etcdctl, get_kv, losses_after_a_mass_loss, make_endpoint, wait_for
+from .conftest import Store
+from .helpers import losses_after_a_mass_loss, make_endpoint, wait_for
 
 
-def _lease_keys(settings: Settings, lease_id: int) -> list[str]:
-    out = etcdctl(settings.endpoints, "lease", "timetolive", f"{lease_id:x}", "--keys").stdout
-    if "attached keys([" not in out:
-        return []
-    return sorted(out.split("attached keys([", 1)[1].split("])", 1)[0].split())
+def _lease_keys(port: EtcdPort, lease_id: int) -> list[str]:
+    return sorted(key.decode() for key in port.lease_info(lease_id).keys)
 
 
-def test_registrations_share_the_session_lease_and_one_keepalive(settings: Settings) -> None:
+def test_registrations_share_the_session_lease_and_one_keepalive(store: Store) -> None:
     before = sum(t.name == "discovery-keeper" for t in threading.enumerate())
-    with Session(ttl=3, settings=settings) as session:
+    with Session(ttl=3, **store.using()) as session:
         regs = [
             register_engine(make_endpoint(i), engine_id=f"s{i}", session=session) for i in range(20)
         ]
         assert {r.lease_id for r in regs} == {session.lease_id}
         assert {r.ttl for r in regs} == {3}
-        assert _lease_keys(settings, session.lease_id) == sorted(r.key for r in regs)
+        assert _lease_keys(store.port, session.lease_id) == sorted(r.key for r in regs)
         assert sum(t.name == "discovery-keeper" for t in threading.enumerate()) - before == 1
         first = session.last_keepalive
         wait_for(lambda: session.last_keepalive != first, timeout=5, message="a keepalive")
@@ -46,86 +46,80 @@ def test_registrations_share_the_session_lease_and_one_keepalive(settings: Setti
         assert all(r.state is RegistrationState.REGISTERED for r in regs)
 
         regs[0].close()  # a member leaves: its key only
-        assert get_kv(settings.endpoints, regs[0].key) is None
-        assert len(_lease_keys(settings, session.lease_id)) == 19
+        assert store.get(regs[0].key) is None
+        assert len(_lease_keys(store.port, session.lease_id)) == 19
         lease = session.lease_id
     # Closing the session revokes the lease: every member's key goes, every member closes.
     assert all(r.state is RegistrationState.CLOSED for r in regs)
-    assert _lease_keys(settings, lease) == []
-    prefix = settings.keyspace.prefix
-    assert etcdctl(settings.endpoints, "get", "--prefix", "--keys-only", prefix).stdout == ""
+    assert _lease_keys(store.port, lease) == []
+    assert store.port.list_prefix(store.settings.keyspace.prefix)[1] == []
 
 
-def test_session_members_are_protected_like_any_engine_id(settings: Settings) -> None:
-    with Session(ttl=10, settings=settings) as session:
+def test_session_members_are_protected_like_any_engine_id(store: Store) -> None:
+    with Session(ttl=3, **store.using()) as session:
         member = register_engine(make_endpoint(1), engine_id="dup", session=session)
         with pytest.raises(EngineConflictError):
             register_engine(make_endpoint(2), engine_id="dup", session=session)
         with pytest.raises(EngineConflictError):
-            register_engine(make_endpoint(3), engine_id="dup", settings=settings)
+            register_engine(make_endpoint(3), engine_id="dup", **store.using())
         with pytest.raises(ConfigurationError, match="belong to the session"):
             register_engine(make_endpoint(4), engine_id="x", ttl=5, session=session)
         other = register_engine(make_endpoint(5), engine_id="other", session=session)
 
         # A takeover does not touch the session's lease: only that member loses its id.
-        taker = register_engine(make_endpoint(6), engine_id="dup", settings=settings, replace=True)
+        taker = register_engine(make_endpoint(6), engine_id="dup", replace=True, **store.using())
         try:
             assert member.wait_for_state(RegistrationState.LOST, timeout=10)
             wait_for(
                 lambda: "already registered" in (member.health().last_error or ""),
                 message="the member to report the conflict",
             )
-            assert get_kv(settings.endpoints, member.key)["lease"] == taker.lease_id
+            assert store.get(member.key).lease == taker.lease_id
             assert session.alive and other.state is RegistrationState.REGISTERED
-            assert get_kv(settings.endpoints, other.key)["lease"] == session.lease_id
+            assert store.get(other.key).lease == session.lease_id
         finally:
             taker.close()
         # The id is free again: the member takes it back on the session's lease.
         assert member.wait_for_state(RegistrationState.REGISTERED, timeout=10)
-        assert get_kv(settings.endpoints, member.key)["lease"] == session.lease_id
+        assert store.get(member.key).lease == session.lease_id
 
 
-def test_deregister_of_one_member_leaves_the_session_and_it_comes_back(
-    settings: Settings,
-) -> None:
-    with Session(ttl=10, settings=settings) as session:
+def test_deregister_of_one_member_leaves_the_session_and_it_comes_back(store: Store) -> None:
+    with Session(ttl=10, **store.using()) as session:
         a = register_engine(make_endpoint(1), engine_id="a", session=session)
         b = register_engine(make_endpoint(2), engine_id="b", session=session)
-        created = get_kv(settings.endpoints, b.key)["create_revision"]
-        assert deregister("a", settings) == 0  # no lease revoked: it is shared
-        assert get_kv(settings.endpoints, b.key)["create_revision"] == created  # untouched
+        created = store.get(b.key).create_revision
+        assert deregister("a", **store.using()) == 0  # no lease revoked: it is shared
+        assert store.get(b.key).create_revision == created  # untouched
         # Self-healing, as for a private registrar: the record is written again.
-        kv = wait_for(lambda: get_kv(settings.endpoints, a.key), message="a written again")
-        assert kv["lease"] == session.lease_id
+        kv = wait_for(lambda: store.get(a.key), message="a written again")
+        assert kv.lease == session.lease_id
         assert a.wait_for_state(RegistrationState.REGISTERED, timeout=5)
         assert a.health().losses == 1 and b.health().losses == 0
 
 
-def test_a_member_drains_alone(settings: Settings) -> None:
-    with Session(ttl=10, settings=settings) as session:
+def test_a_member_drains_alone(store: Store) -> None:
+    with Session(ttl=10, **store.using()) as session:
         a = register_engine(make_endpoint(1), engine_id="a", session=session)
         b = register_engine(make_endpoint(2), engine_id="b", session=session)
         a.drain(0.5)
-        assert json.loads(get_kv(settings.endpoints, a.key)["value"])["status"] == "draining"
+        assert json.loads(store.get(a.key).value)["status"] == "draining"
         assert a.wait_for_state(RegistrationState.CLOSED, timeout=10)
-        assert get_kv(settings.endpoints, a.key) is None
+        assert store.get(a.key) is None
         assert b.status is EngineStatus.READY and session.alive
-        assert get_kv(settings.endpoints, b.key)["lease"] == session.lease_id
+        assert store.get(b.key).lease == session.lease_id
 
 
-def test_operator_revoke_of_the_session_lease_brings_every_record_back(
-    settings: Settings,
-) -> None:
-    with Session(ttl=3, settings=settings) as session:
+def test_operator_revoke_of_the_session_lease_brings_every_record_back(store: Store) -> None:
+    with Session(ttl=3, **store.using()) as session:
         regs = [
             register_engine(make_endpoint(i), engine_id=f"r{i}", session=session) for i in range(5)
         ]
         old = session.lease_id
-        assert etcdctl(settings.endpoints, "lease", "revoke", f"{old:x}").returncode == 0
+        store.port.revoke(old)
         wait_for(
             lambda: all(
-                (kv := get_kv(settings.endpoints, r.key)) and kv["lease"] == session.lease_id != old
-                for r in regs
+                (kv := store.get(r.key)) and kv.lease == session.lease_id != old for r in regs
             ),
             message="every record on the new lease",
         )
@@ -151,5 +145,5 @@ def test_mass_loss_with_a_session_is_one_grant_and_one_loss_each(
         losses = losses_after_a_mass_loss(etcd, regs, ttl=3)
         assert losses == {1: len(regs)}, losses
         assert session.lease_id != old and {r.lease_id for r in regs} == {session.lease_id}
-        assert len(_lease_keys(private_settings, session.lease_id)) == 2000
+        assert len(_lease_keys(conn, session.lease_id)) == 2000
         session.close()

@@ -265,6 +265,7 @@ def test_allow_insecure_auth_must_be_a_bool() -> None:
         Settings(allow_insecure_auth="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.external  # a fresh interpreter
 def test_allow_insecure_auth_warns_once_per_process_without_the_password() -> None:
     code = f"""
 import logging

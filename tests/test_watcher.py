@@ -1,4 +1,6 @@
-"""Watcher and routing table against real etcd (issue 4)."""
+"""Watcher and routing table (issue 4): events, snapshots, malformed values and selectors
+on the memory port and on real etcd (``store``); restarts, failover, compaction of a real
+cluster, a frozen member and quorum loss on real etcd."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from discovery import (
     Connection,
     EndpointEvent,
     EndpointWatcher,
+    EtcdPort,
     EtcdUnavailableError,
     EventType,
     Metrics,
@@ -32,6 +35,7 @@ from discovery import (
 from discovery._codec import encode
 from discovery._record import EngineRecord
 
+from .conftest import Store
 from .containers import both_etcds
 from .helpers import etcdctl, make_endpoint, raw_call, wait_for
 
@@ -71,9 +75,8 @@ class Recorder:
         assert max(pairs.values(), default=1) == 1, [p for p, n in pairs.items() if n > 1]
 
 
-def _etcd_state(settings: Settings) -> dict[str, bytes]:
-    with Connection(settings) as conn:
-        _, kvs = conn.list_prefix(settings.keyspace.prefix)
+def _etcd_state(port: EtcdPort, settings: Settings) -> dict[str, bytes]:
+    _, kvs = port.list_prefix(settings.keyspace.prefix)
     return {kv.key.decode().rsplit("/", 1)[1]: kv.value for kv in kvs}
 
 
@@ -81,11 +84,15 @@ def _table_state(table: RoutingTable) -> dict[str, bytes]:
     return {engine_id: encode(record) for engine_id, record in table.snapshot().items()}
 
 
-def _wait_table_equals_etcd(table: RoutingTable, settings: Settings, timeout: float = 20) -> None:
+def _wait_table_equals_etcd(
+    table: RoutingTable, port: EtcdPort, settings: Settings, timeout: float = 20
+) -> None:
     try:
-        wait_for(lambda: _table_state(table) == _etcd_state(settings), timeout, "table == etcd")
+        wait_for(
+            lambda: _table_state(table) == _etcd_state(port, settings), timeout, "table == etcd"
+        )
     except AssertionError:
-        ours, theirs = _table_state(table), _etcd_state(settings)
+        ours, theirs = _table_state(table), _etcd_state(port, settings)
         differ = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
         raise AssertionError(
             f"table != etcd: missing {sorted(theirs.keys() - ours.keys())[:5]}, extra "
@@ -94,17 +101,17 @@ def _wait_table_equals_etcd(table: RoutingTable, settings: Settings, timeout: fl
         ) from None
 
 
-def test_events_added_updated_removed_with_last_known_record(settings: Settings) -> None:
-    client = _raw(settings)
-    key = settings.keyspace.key("e1")
-    client.put(key, _value(1))
+def test_events_added_updated_removed_with_last_known_record(store: Store) -> None:
+    client = store.port
+    key = store.settings.keyspace.key("e1")
+    client.replace(key, _value(1), 0)
     recorder = Recorder()
-    with EndpointWatcher(settings) as watcher:
+    with EndpointWatcher(**store.using()) as watcher:
         watcher.subscribe(recorder)
         wait_for(lambda: recorder.of("e1") == [EventType.ADDED], message="snapshot")
         listed_revision = recorder.events[0].revision
         assert listed_revision == watcher.revision
-        client.put(key, _value(1, zone="b"))
+        client.replace(key, _value(1, zone="b"), 0)
         client.delete(key)
         wait_for(lambda: len(recorder.events) == 3, message="update and delete")
         added, updated, removed = recorder.events
@@ -126,18 +133,17 @@ def test_events_added_updated_removed_with_last_known_record(settings: Settings)
             "weight_version",
             "state_address",
         }
-    client.close()
 
 
-def test_snapshot_then_watch_has_no_gap(settings: Settings) -> None:
+def test_snapshot_then_watch_has_no_gap(store: Store) -> None:
     """Records written while the watcher starts all arrive exactly once."""
-    client = _raw(settings)
+    client = store.client()
     total = 300
     started = threading.Event()
 
     def writer() -> None:
         for i in range(total):
-            client.put(settings.keyspace.key(f"e{i}"), _value(i))
+            client.replace(store.settings.keyspace.key(f"e{i}"), _value(i), 0)
             if i == 20:
                 started.set()
 
@@ -145,7 +151,7 @@ def test_snapshot_then_watch_has_no_gap(settings: Settings) -> None:
     thread.start()
     started.wait(10)
     recorder = Recorder()
-    with EndpointWatcher(settings) as watcher, RoutingTable(watcher) as table:
+    with EndpointWatcher(**store.using()) as watcher, RoutingTable(watcher) as table:
         watcher.subscribe(recorder)
         thread.join()
         table.wait_until(lambda snap: len(snap) == total, timeout=10)
@@ -155,63 +161,63 @@ def test_snapshot_then_watch_has_no_gap(settings: Settings) -> None:
         )
         assert {e.type for e in recorder.events} == {EventType.ADDED}
         recorder.check_order()
-        assert _table_state(table) == _etcd_state(settings)
-    client.close()
+        assert _table_state(table) == _etcd_state(store.port, store.settings)
 
 
-def test_malformed_values_are_skipped_counted_and_never_break_the_table(settings: Settings) -> None:
-    client = _raw(settings)
-    k = settings.keyspace.key
-    client.put(k("good"), _value(1, "good"))
-    client.put(k("garbage"), b"\x00not json")
-    client.put(k("latin1"), b"\xff\xfe\xfa")
+def test_malformed_values_are_skipped_counted_and_never_break_the_table(store: Store) -> None:
+    k = store.settings.keyspace.key
+
+    def put(key: str, value: bytes) -> None:
+        store.port.replace(key, value, 0)
+
+    put(k("good"), _value(1, "good"))
+    put(k("garbage"), b"\x00not json")
+    put(k("latin1"), b"\xff\xfe\xfa")
     bad_policy = json.loads(_value(2))
     bad_policy["capabilities"]["prefix_caching_coordinator_policy"] = "fastest"
     bad_policy["engine_id"] = "policy"
-    client.put(k("policy"), json.dumps(bad_policy))
-    client.put(settings.keyspace.prefix + "not/an/id", _value(3, "id"))
+    put(k("policy"), json.dumps(bad_policy).encode())
+    put(store.settings.keyspace.prefix + "not/an/id", _value(3, "id"))
     recorder = Recorder()
-    with EndpointWatcher(settings) as watcher, RoutingTable(watcher) as table:
+    with EndpointWatcher(**store.using()) as watcher, RoutingTable(watcher) as table:
         watcher.subscribe(recorder)
         wait_for(lambda: recorder.of("good") == [EventType.ADDED], message="snapshot")
         assert watcher.health().skipped == 4
         assert set(table.snapshot()) == {"good"}
         # A live engine whose value turns bad is removed; fixing it adds it back.
-        client.put(k("good"), b"{}")
+        put(k("good"), b"{}")
         wait_for(
             lambda: recorder.of("good") == [EventType.ADDED, EventType.REMOVED], message="removal"
         )
-        client.put(k("garbage"), _value(4, "garbage"))
+        put(k("garbage"), _value(4, "garbage"))
         wait_for(lambda: recorder.of("garbage") == [EventType.ADDED], message="garbage fixed")
-        client.delete(k("latin1"))  # never valid: nothing to report
-        client.put(k("good"), _value(1, "good"))
+        store.port.delete(k("latin1"))  # never valid: nothing to report
+        put(k("good"), _value(1, "good"))
         wait_for(lambda: recorder.of("good")[-1] is EventType.ADDED, message="good again")
         assert recorder.of("latin1") == []
         assert watcher.health().skipped == 5
         assert set(table.snapshot()) == {"good", "garbage"}
         recorder.check_order()
-    client.close()
 
 
-def test_label_selector(settings: Settings) -> None:
-    client = _raw(settings)
-    k = settings.keyspace.key
-    client.put(k("e1"), _value(1, model="llama", role="decode"))
-    client.put(k("e2"), _value(2, model="mistral", role="decode"))
-    with watch_table(settings, selector={"model": "llama"}) as table:
+def test_label_selector(store: Store) -> None:
+    client = store.port
+    k = store.settings.keyspace.key
+    client.replace(k("e1"), _value(1, model="llama", role="decode"), 0)
+    client.replace(k("e2"), _value(2, model="mistral", role="decode"), 0)
+    with watch_table(selector={"model": "llama"}, **store.using()) as table:
         assert set(table.snapshot()) == {"e1"}
-        client.put(k("e2"), _value(2, model="llama"))
+        client.replace(k("e2"), _value(2, model="llama"), 0)
         table.wait_until(lambda snap: set(snap) == {"e1", "e2"}, timeout=5)
-        client.put(k("e1"), _value(1, model="other"))
+        client.replace(k("e1"), _value(1, model="other"), 0)
         table.wait_until(lambda snap: set(snap) == {"e2"}, timeout=5)
-    client.close()
 
 
-def test_iterators_and_stop_leave_nothing_behind(settings: Settings) -> None:
-    client = _raw(settings)
-    client.put(settings.keyspace.key("e1"), _value(1))
+def test_iterators_and_stop_leave_nothing_behind(store: Store) -> None:
+    client = store.port
+    client.replace(store.settings.keyspace.key("e1"), _value(1), 0)
     before = {t.ident for t in threading.enumerate()}
-    watcher = EndpointWatcher(settings).start()
+    watcher = EndpointWatcher(**store.using()).start()
     received: list[EndpointEvent] = []
 
     def consume() -> None:
@@ -229,7 +235,7 @@ def test_iterators_and_stop_leave_nothing_behind(settings: Settings) -> None:
                 break
         return seen
 
-    client.put(settings.keyspace.key("e2"), _value(2))
+    client.replace(store.settings.keyspace.key("e2"), _value(2), 0)
     assert asyncio.run(consume_async()) == [EventType.ADDED, EventType.ADDED]
     watcher.stop()
     watcher.stop()  # idempotent
@@ -241,12 +247,11 @@ def test_iterators_and_stop_leave_nothing_behind(settings: Settings) -> None:
         t for t in threading.enumerate() if t.ident not in before and t.name.startswith("discovery")
     ]
     assert wait_for(lambda: not [t for t in leftover if t.is_alive()], timeout=5, message="threads")
-    client.close()
 
 
-def test_async_context_manager_and_health(settings: Settings) -> None:
+def test_async_context_manager_and_health(store: Store) -> None:
     async def main() -> None:
-        async with EndpointWatcher(settings) as watcher:
+        async with EndpointWatcher(**store.using()) as watcher:
             health = watcher.health()
             assert health.state is WatcherState.CONNECTED
             assert health.revision > 0 and health.last_error is None
@@ -287,7 +292,11 @@ def _writes_survive(settings: Settings, fault: Callable[[], Callable[[], None]])
     """Write continuously, inject ``fault`` (it returns its repair), check nothing is lost."""
     stop, written = threading.Event(), {}
     recorder = Recorder()
-    with EndpointWatcher(settings, heartbeat=1.0) as watcher, RoutingTable(watcher) as table:
+    with (
+        EndpointWatcher(settings, heartbeat=1.0) as watcher,
+        RoutingTable(watcher) as table,
+        Connection(settings) as conn,
+    ):
         watcher.subscribe(recorder)
         thread = _writer(settings, stop, written)
         wait_for(lambda: len(written) > 50, message="writes before the fault")
@@ -297,7 +306,7 @@ def _writes_survive(settings: Settings, fault: Callable[[], Callable[[], None]])
         repair()
         stop.set()
         thread.join(10)
-        _wait_table_equals_etcd(table, settings)
+        _wait_table_equals_etcd(table, conn, settings)
         health = watcher.health()
     _check_nothing_lost(recorder, written)
     return health
@@ -431,28 +440,20 @@ def test_start_fails_clearly_without_etcd() -> None:
     assert watcher.health().state is WatcherState.STOPPED
 
 
-def test_table_listeners_get_each_batch_with_its_snapshot(settings: Settings) -> None:
-    client = _raw(settings)
+def test_table_listeners_get_each_batch_with_its_snapshot(store: Store) -> None:
     seen: list[tuple[list[str], int]] = []
-    with watch_table(settings) as table:
+    with watch_table(**store.using()) as table:
         table.subscribe(
             lambda events, snap: seen.append(([e.engine_id for e in events], len(snap)))
         )
-        ok, _ = client.transaction(
-            compare=[],
-            success=[
-                client.transactions.put(settings.keyspace.key(f"e{i}"), _value(i)) for i in range(3)
-            ],
-            failure=[],
-        )
-        assert ok
+        three = [(store.settings.keyspace.key(f"e{i}"), _value(i)) for i in range(3)]
+        assert all(r.succeeded for r in store.port.create_many(three, 0))  # one transaction
         wait_for(lambda: seen, message="one batch")
         assert seen == [(["e0", "e1", "e2"], 3)]  # one revision, applied atomically
         assert table.get("e1").endpoint == make_endpoint(1)
         assert "e2" in table and len(table) == 3
         with pytest.raises(TimeoutError):
             table.wait_until(lambda snap: "e9" in snap, timeout=0.2)
-    client.close()
 
 
 def _etcd_revision(endpoints: list[str]) -> int:
