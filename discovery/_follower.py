@@ -101,6 +101,10 @@ class EngineStatesHealth:
     """Block hashes held, over every engine."""
 
 
+def _NO_SEND(message: Any) -> bytes:
+    return b""
+
+
 class _Sink:
     """The store's sink that hands each batch to the follower (see ``_store.Sink``)."""
 
@@ -314,23 +318,40 @@ class EngineStates:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> EngineStates:
-        """Follow the table's engines from now on. Idempotent."""
+    def start(self, *, connect: bool = True) -> EngineStates:
+        """Follow the table's engines from now on. Idempotent.
+
+        ``connect=False`` opens no socket and starts no thread: the engines' states then
+        come only through ``feed`` (a simulation, a transport of your own).
+        """
         with self._lock:
             if self._stopping:
                 raise ClosedError("engine states are stopped")
-            if self._thread is not None:
+            if self._unsubscribe is not None:
                 return self
-            self._wake = os.pipe()
-            os.set_blocking(self._wake[1], False)
-            self._thread = threading.Thread(
-                target=self._run, name="discovery-engine-states", daemon=True
-            )
-            self._thread.start()
+            if connect:
+                self._wake = os.pipe()
+                os.set_blocking(self._wake[1], False)
+                self._thread = threading.Thread(
+                    target=self._run, name="discovery-engine-states", daemon=True
+                )
+                self._thread.start()
         # A sink of the table's store: each batch is seen as the store applies it (and the
         # engines held now first, as one batch), never later than a reader of the table.
         self._unsubscribe = self._table.store.add_sink(_Sink(self._follow))
         return self
+
+    def feed(self, engine_id: str, message: list[Any]) -> None:
+        """Apply one relay message to the engine's state, as if its relay had sent it.
+
+        ``message`` is ``_relay.py``'s protocol, msgpack-decoded; an engine not followed
+        ignores it. For simulations and transports of your own (``start(connect=False)``):
+        a request the state would send its relay (a snapshot after a gap) goes nowhere,
+        so feed a ``hello`` then.
+        """
+        follow = self._follows.get(engine_id)
+        if follow is not None:
+            self._apply(follow, message, _unsent)
 
     def stop(self) -> None:
         """Stop following: every subscription closes, every state goes. Idempotent."""
@@ -549,8 +570,9 @@ class EngineStates:
         with self._lock:
             self._resyncs[reason] += 1
         self._metrics.engine_state_resync(reason)
-        with contextlib.suppress(zmq.Again):
-            follow.socket.send(pack(["snapshot"]), zmq.NOBLOCK)
+        if follow.socket is not None:  # None: fed by hand (``feed``)
+            with contextlib.suppress(zmq.Again):
+                follow.socket.send(pack(["snapshot"]), zmq.NOBLOCK)
 
     def _beat(self, sockets: dict[Any, _Follow], pack: Callable[[Any], bytes], now: float) -> None:
         """Every heartbeat: subscribe again (with this router's load); re-ask if unsynced."""
