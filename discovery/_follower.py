@@ -101,7 +101,8 @@ class EngineStatesHealth:
     """Block hashes held, over every engine."""
 
 
-def _NO_SEND(message: Any) -> bytes:
+def _unsent(message: Any) -> bytes:
+    """The packer of a state fed by hand: it has no relay to send requests to."""
     return b""
 
 
