@@ -218,7 +218,8 @@ def test_a_watcher_whose_only_member_is_cut_says_stale_and_keeps_its_table(
     leader = cluster.leader()
     cut = next(m for m in cluster.members if m is not leader)
     majority = _settings([m for m in cluster.members if m is not cut], "only-cut")
-    only = _settings([cut], "only-cut")
+    # A client that knows only that member (member sync off: it would follow the others).
+    only = dataclasses.replace(_settings([cut], "only-cut"), member_sync=False)
     registry = CollectorRegistry()
     with (
         Connection(majority) as writer,

@@ -55,7 +55,9 @@ _PICKS = 30
 
 
 def _say(started: float, text: str) -> None:
-    print(f"[{time.monotonic() - started:6.2f}s] {text}", flush=True)
+    # One write per line: the table's listener thread says things too.
+    sys.stdout.write(f"[{time.monotonic() - started:6.2f}s] {text}\n")
+    sys.stdout.flush()
 
 
 @contextlib.contextmanager
