@@ -13,8 +13,12 @@
   loopback members and a warning.
 
 Tests marked ``docker`` need a Docker engine and the images: without them they are
-skipped with the reason. Every local member is checked to be gone, with its data
-directory (and its namespaces and links), after the test; every container, to be removed.
+skipped with the reason. Tests marked ``prometheus`` need Debian's ``prometheus`` package
+(``prometheus`` and ``promtool``; .ci/prometheus.sh installs it in CI): without it they
+are skipped with the reason. Under CI=true a skipped test of either kind fails the run
+(the counting tests of tests/test_fixtures.py run last). Every local member is checked to
+be gone, with its data directory (and its namespaces and links), after the test; every
+container, to be removed.
 """
 
 from __future__ import annotations
@@ -33,26 +37,37 @@ from discovery.embedded import EtcdCluster
 from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
+from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip Docker tests, with the reason, where they cannot run; count them last."""
-    docker_items = [item for item in items if item.get_closest_marker("docker")]
-    problem = docker_problem() if docker_items else None
-    if problem:
-        for item in docker_items:
-            item.add_marker(pytest.mark.skip(reason=f"Docker test: {problem}"))
-    # The test that counts the Docker tests runs after all of them.
-    counters = [item for item in items if item.get_closest_marker("counts_docker_tests")]
+    """Skip Docker and Prometheus tests, with the reason, where they cannot run; count them
+    last."""
+    for marker, problem_of in (("docker", docker_problem), ("prometheus", prometheus_problem)):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        problem = problem_of() if marked else None
+        if problem:
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason=f"{marker} test: {problem}"))
+    # The tests that count the Docker and the Prometheus tests run after all of them.
+    counters = [
+        item
+        for item in items
+        if item.get_closest_marker("counts_docker_tests")
+        or item.get_closest_marker("counts_prometheus_tests")
+    ]
     for item in counters:
         items.remove(item)
         items.append(item)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Record each Docker test's outcome for the test that counts them."""
-    if "docker" in report.keywords and (report.when == "call" or report.outcome != "passed"):
-        DOCKER_OUTCOMES[report.nodeid] = report.outcome
+    """Record each Docker and Prometheus test's outcome for the tests that count them."""
+    if report.when == "call" or report.outcome != "passed":
+        if "docker" in report.keywords:
+            DOCKER_OUTCOMES[report.nodeid] = report.outcome
+        if "prometheus" in report.keywords:
+            PROMETHEUS_OUTCOMES[report.nodeid] = report.outcome
 
 
 @contextlib.contextmanager

@@ -822,6 +822,7 @@ def test_endpoint_files_are_valid_records():
 def shell_scripts(tmp_path: Path) -> list[Path]:
     scripts = [p for p in deploy_files() if p.suffix == ".sh"]
     scripts += [REPO / ".ci" / "run", REPO / ".ci" / "docker-engine.sh"]
+    scripts += [REPO / ".ci" / "prometheus.sh"]
     for name, text in engine_scripts().items():
         path = tmp_path / name
         path.write_text(text)
@@ -839,6 +840,7 @@ def test_shell_scripts_parse_and_pass_shellcheck(tmp_path):
         "make-certs.sh",
         "make-secrets.sh",
         "prestop.sh",
+        "prometheus.sh",
         "run",
         "run-engine.sh",
     ]
