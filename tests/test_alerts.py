@@ -137,4 +137,127 @@ def test_the_live_tests_shorten_every_duration_and_nothing_else() -> None:
     )
 
 
-_ = (json, sys, PROMETHEUS_OUTCOMES, prometheus_problem)
+# -- the Grafana dashboard, offline ------------------------------------------------------------
+
+DASHBOARD = REPO / "deploy" / "grafana" / "discovery.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range"}
+# Exported, and deliberately not on the dashboard: a close-time histogram and figures of
+# rare events that the alerts and the staleness panels already cover.
+OFF_DASHBOARD = {
+    "discovery_revoke_duration_seconds_bucket",
+    "discovery_revoke_duration_seconds_count",
+    "discovery_revoke_duration_seconds_sum",
+    "discovery_watcher_apply_duration_seconds_count",
+    "discovery_watcher_apply_duration_seconds_sum",
+    "discovery_watcher_relists_total",
+    "discovery_watcher_revision",
+}
+# A metric name, not part of a recorded one (level:metric:operations).
+_METRIC = re.compile(r"(?<![\w:])(discovery_[a-z0-9_]+)(?![\w:])")
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panel_queries(board: dict) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every query of the dashboard."""
+    return [
+        (panel["title"], target["refId"], target["expr"])
+        for panel in board["panels"]
+        for target in panel.get("targets", [])
+    ]
+
+
+def live_expr(expr: str, board: dict, rate_interval: str = "5s") -> str:
+    """``expr`` as Grafana sends it with every variable on "All" and ``$__rate_interval``
+    at ``rate_interval``."""
+    values = {"__rate_interval": rate_interval}
+    for variable in board["templating"]["list"]:
+        if variable.get("includeAll"):
+            values[variable["name"]] = variable["allValue"]
+    for name, value in values.items():
+        expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name a ``Metrics`` registry can expose, from its families (a labelled
+    family is listed even before it has a child)."""
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from discovery import Metrics  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)  # held: its live collector reads it through a weak reference
+    names = set()
+    for family in registry.collect():
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        elif family.type == "histogram":
+            names.update(family.name + suffix for suffix in ("_bucket", "_count", "_sum"))
+        else:
+            names.add(family.name)
+    del metrics
+    return names
+
+
+def unknown_metrics(exprs: list[str]) -> set[str]:
+    return {name for expr in exprs for name in _METRIC.findall(expr)} - exported_metric_names()
+
+
+def test_the_dashboard_has_what_grafanas_importer_needs() -> None:
+    board = dashboard()
+    assert board["uid"] == "discovery-fleet" and board["title"]
+    assert isinstance(board["schemaVersion"], int) and board["schemaVersion"] >= 36
+    assert board["id"] is None  # a new dashboard on import
+    inputs = {i["name"]: i for i in board["__inputs"]}
+    assert inputs["DS_PROMETHEUS"]["type"] == "datasource"
+    assert inputs["DS_PROMETHEUS"]["pluginId"] == "prometheus"
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["datasource"]["current"]["value"] == "${DS_PROMETHEUS}"
+    for name in ("job", "selector"):
+        assert variables[name]["datasource"] == DATASOURCE, name
+    panels = board["panels"]
+    assert len(panels) >= 20
+    assert len({p["id"] for p in panels}) == len(panels), "panel ids repeat"
+    kinds = {p["type"] for p in panels}
+    assert kinds <= {"row", "stat", "timeseries"}
+    required = {r["id"] for r in board["__requires"] if r["type"] == "panel"}
+    assert kinds - {"row"} <= required
+    for panel in panels:
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"] and panel["description"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(set(refs)) == len(refs), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE, panel["title"]
+    used = {m for _, _, expr in panel_queries(board) for m in re.findall(r"\$\{?(\w+)", expr)}
+    assert used <= set(variables) | GRAFANA_VARIABLES, used
+    # Every query reads as PromQL once the variables are set (promtool is not needed:
+    # the live test runs them all on a real Prometheus).
+    for title, ref, expr in panel_queries(board):
+        assert expr.count("(") == expr.count(")"), (title, ref)
+
+
+def test_every_dashboard_and_rule_metric_is_one_the_package_exports() -> None:
+    exprs = [expr for _, _, expr in panel_queries(dashboard())]
+    assert unknown_metrics(exprs) == set()
+    assert unknown_metrics([rule["expr"] for rule in rules()]) == set()
+    # The check sees a misspelt name; and the dashboard shows every metric but a few.
+    assert unknown_metrics(["rate(discovery_router_pickz_total[5m])"]) == {
+        "discovery_router_pickz_total"
+    }
+    shown = {name for expr in exprs for name in _METRIC.findall(expr)}
+    assert exported_metric_names() - shown == OFF_DASHBOARD
+
+
+_ = (sys, PROMETHEUS_OUTCOMES, prometheus_problem)
