@@ -21,15 +21,31 @@ real Prometheus; deploy/grafana/discovery.json's queries run against it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem, seconds, shorten
+from discovery import Settings
+from discovery.embedded import EtcdCluster, _free_ports
+from discovery.embedded_netns import PartitionableCluster
+
+from .helpers import ChildLog, Registrar, cli_env, etcdctl, get_kv, wait_for
+from .prometheus import (
+    PrometheusServer,
+    prometheus_problem,
+    prometheus_server,
+    seconds,
+    shorten,
+    stop_process,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
@@ -260,4 +276,262 @@ def test_every_dashboard_and_rule_metric_is_one_the_package_exports() -> None:
     assert exported_metric_names() - shown == OFF_DASHBOARD
 
 
-_ = (sys, PROMETHEUS_OUTCOMES, prometheus_problem)
+# -- a real Prometheus: the failures behind the alerts, caused for real -------------------------
+
+JOBS = ("discovery-registrar", "discovery-launcher", "discovery-watcher", "discovery-router")
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    """One server for the module: the production rules with every duration read in seconds
+    (``shorten``), scraping one port per job every second; each test starts the processes
+    behind the ports it uses, and stops them."""
+    if prometheus_problem():
+        pytest.skip(prometheus_problem())
+    short, changed = shorten(RULES.read_text())
+    assert changed
+    rules_file = tmp_path_factory.mktemp("rules") / "discovery-rules-in-seconds.yml"
+    rules_file.write_text(short)
+    checked = promtool("check", "rules", str(rules_file))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    ports = dict(zip(JOBS, _free_ports(len(JOBS)), strict=True))
+    targets = {job: [f"127.0.0.1:{port}"] for job, port in ports.items()}
+    with prometheus_server([rules_file], targets) as server:
+        loaded = server.rule_names()
+        assert set(loaded) == {r.get("alert") or r["record"] for r in rules()}
+        yield Prometheus(server, ports)
+
+
+class Prometheus:
+    """The server and the metrics port of each job."""
+
+    def __init__(self, server: PrometheusServer, ports: dict[str, int]) -> None:
+        self.server = server
+        self.ports = ports
+
+    def port(self, job: str) -> int:
+        return self.ports[job]
+
+    def instance(self, job: str) -> str:
+        return f"127.0.0.1:{self.ports[job]}"
+
+    def value(self, expr: str) -> float | None:
+        """The value of a query returning at most one series, None when it returns none."""
+        result = self.server.query(expr)
+        assert len(result) <= 1, result
+        return float(result[0]["value"][1]) if result else None
+
+    def was(self, alert: str, state: str, window: str = "5m") -> bool:
+        """Whether ``alert`` was in ``state`` (pending, firing) in the last ``window``
+        (Prometheus records it in its ALERTS series)."""
+        return bool(
+            self.server.query(
+                f'max_over_time(ALERTS{{alertname="{alert}", alertstate="{state}"}}[{window}])'
+            )
+        )
+
+    def wait_state(self, alert: str, state: str, timeout: float) -> float:
+        """Wait until ``alert`` is ``state`` (firing, pending, inactive); the seconds it took."""
+        started = time.monotonic()
+        wait_for(
+            lambda: self.server.state(alert) == state,
+            timeout=timeout,
+            message=f"{alert} {state}: {self.server.alerts(alert)}",
+            interval=0.1,
+        )
+        return time.monotonic() - started
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, "-X", "faulthandler", *args]
+
+
+def _spawn(command: list[str], settings: Settings, log: ChildLog) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command, env=cli_env(settings), stdout=log.file, stderr=subprocess.STDOUT, cwd=REPO
+    )
+
+
+@pytest.mark.prometheus
+def test_watcher_stale_alert_fires_when_its_only_member_is_cut_off_and_resolves_after_the_heal(
+    netns_etcd3: PartitionableCluster, prometheus: Prometheus
+) -> None:
+    cluster = netns_etcd3
+    cut, *majority = cluster.members
+    if cluster.leader() is cut:  # a follower: the majority keeps its leader, the test its pace
+        cluster.move_leader(majority[0])
+    settings = Settings(endpoints=[cut.client_url], namespace="alert-stale", dial_timeout=10)
+    job = "discovery-watcher"
+    port = str(prometheus.port(job))
+    log = ChildLog()
+    watcher = _spawn(_python("-m", "discovery", "watch", "--metrics-port", port), settings, log)
+    stale = f'discovery_watcher_stale{{job="{job}"}}'
+    try:
+        wait_for(lambda: prometheus.value(stale) == 0, 30, f"{stale} scraped", interval=0.2)
+        assert prometheus.server.state("DiscoveryWatcherStale") == "inactive"
+        with cluster.partitioned(cut):
+            took = prometheus.wait_state("DiscoveryWatcherStale", "firing", timeout=60)
+            (alert,) = prometheus.server.alerts("DiscoveryWatcherStale")
+            assert alert["labels"] == {
+                "alertname": "DiscoveryWatcherStale",
+                "severity": "critical",
+                "job": job,
+                "instance": prometheus.instance(job),
+                "prefix": settings.keyspace.prefix,
+            }
+            assert settings.keyspace.prefix in alert["annotations"]["summary"]
+            assert "No etcd member with a leader" in alert["annotations"]["description"]
+            assert float(alert["value"]) > 4  # the staleness, past stale_after (4 s)
+            assert prometheus.was("DiscoveryWatcherStale", "pending"), "never pending first"
+            print(f"DiscoveryWatcherStale firing {took:.1f} s after the cut")
+        healed = prometheus.wait_state("DiscoveryWatcherStale", "inactive", timeout=60)
+        assert prometheus.value(stale) == 0
+        print(f"DiscoveryWatcherStale resolved {healed:.1f} s after the heal")
+    finally:
+        stop_process(watcher)
+        print(log.read()[-3000:])
+        log.close()
+
+
+def _lease(settings: Settings, engine_id: str) -> int | None:
+    kv = get_kv(settings.endpoints, settings.keyspace.key(engine_id))
+    return kv["lease"] if kv else None
+
+
+@pytest.mark.prometheus
+def test_flapping_alert_fires_when_a_lease_keeps_being_revoked_and_resolves_when_it_stops(
+    settings: Settings, prometheus: Prometheus
+) -> None:
+    job = "discovery-registrar"
+    port = str(prometheus.port(job))
+    registrar = Registrar(settings, "flappy", ttl=3, extra=("--metrics-port", port))
+    total = f'discovery_reregistrations_total{{job="{job}"}}'
+    try:
+        lease = wait_for(lambda: _lease(settings, "flappy"), 30, "the registration")
+        wait_for(lambda: prometheus.value(total) == 0, 30, f"{total} scraped", interval=0.2)
+        for _ in range(5):  # each revoke: routers see the engine go and come back
+            revoked = etcdctl(settings.endpoints, "lease", "revoke", f"{lease:016x}")
+            assert revoked.returncode == 0, revoked.stderr
+            lease = wait_for(
+                lambda old=lease: (new := _lease(settings, "flappy")) not in (None, old) and new,
+                timeout=15,
+                message="registered again on a new lease",
+            )
+        prometheus.wait_state("DiscoveryRegistrationsFlapping", "firing", timeout=30)
+        (alert,) = prometheus.server.alerts("DiscoveryRegistrationsFlapping")
+        assert alert["labels"]["instance"] == prometheus.instance(job)
+        assert alert["labels"]["severity"] == "warning"
+        assert float(alert["value"]) > 3
+        assert "written again" in alert["annotations"]["summary"]
+        assert prometheus.value(total) == 5
+        # No revoke any more: once the window (15 min, 15 s here) has no loss, it resolves.
+        quiet = prometheus.wait_state("DiscoveryRegistrationsFlapping", "inactive", timeout=60)
+        print(f"DiscoveryRegistrationsFlapping resolved {quiet:.1f} s after the last revoke")
+        assert registrar.process.poll() is None
+    finally:
+        print(registrar.output()[-3000:])  # shown when the test fails
+        registrar.stop()
+
+
+def _engine_pid(launcher: subprocess.Popen[bytes]) -> int | None:
+    """The stand-in engine a launcher started (Linux /proc), or None."""
+    try:
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+        for pid in children.split():
+            if b"stand_in_engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    except OSError:
+        return None
+    return None
+
+
+@pytest.mark.prometheus
+def test_every_dashboard_query_returns_series_and_a_stalled_engine_fires(
+    etcd: EtcdCluster, prometheus: Prometheus
+) -> None:
+    """Every process of a fleet, each failure the dashboard shows, then every panel's query."""
+    settings = Settings(endpoints=etcd.endpoints, namespace="alert-dashboard", dial_timeout=10)
+    port = {job: str(prometheus.port(job)) for job in JOBS}
+    logs: dict[str, ChildLog] = {}
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        logs[name] = ChildLog()
+        processes[name] = _spawn(command, settings, logs[name])
+        return processes[name]
+
+    registrar = Registrar(
+        settings,
+        "engine-b",
+        ttl=10,
+        extra=("--label", "model=demo", "--metrics-port", port["discovery-registrar"]),
+    )
+    try:
+        launcher = spawn("launcher", _python(
+            "-m", "discovery", "launch", "--engine-id", "engine-a", "--label", "model=demo",
+            "--ttl", "10", "--stall-timeout", "2", "--metrics-port", port["discovery-launcher"],
+            "--", sys.executable, "-m", "discovery.stand_in_engine",
+            "--dynamo-parent-event-address", "{event_address}", "--kv-events", "8",
+            "--kv-rate", "2",
+        ))  # fmt: skip
+        spawn("watcher", _python(
+            "-m", "discovery", "watch", "--metrics-port", port["discovery-watcher"]
+        ))  # fmt: skip
+        router = spawn("router", _python(
+            "-m", "tests.router_process", "--metrics-port", port["discovery-router"],
+            "--fail", "engine-b", "--hold", "engine-a", "--selector", "model=demo",
+        ))  # fmt: skip
+        wait_for(lambda: "routed" in logs["router"].read(), 60, "the router's picks")
+        # A value that does not decode, a hung engine, an etcd restart (watch reconnects).
+        junk = etcdctl(settings.endpoints, "put", settings.keyspace.prefix + "junk", "{not json")
+        assert junk.returncode == 0, junk.stderr
+        engine = wait_for(lambda: _engine_pid(launcher), 10, "the stand-in engine's pid")
+        os.kill(engine, signal.SIGUSR1)  # silent: its launcher marks it stalled
+        etcd.restart(etcd.members[0], kill=False)
+        etcd.wait_healthy()
+
+        board = dashboard()
+        queries = {(t, ref): live_expr(expr, board) for t, ref, expr in panel_queries(board)}
+        empty = dict(queries)
+
+        def all_return_series() -> bool:
+            for key, expr in list(empty.items()):
+                if prometheus.server.query(expr):
+                    del empty[key]
+            return not empty
+
+        try:
+            wait_for(all_return_series, timeout=60, message="every panel's query", interval=0.5)
+        except AssertionError:
+            pytest.fail(f"queries without series: {empty}")
+        # The panels' series carry the failures caused above.
+        fenced = prometheus.server.query(live_expr(
+            'max by (engine_id) (discovery_router_fenced_seconds{job=~"$job"})', board
+        ))  # fmt: skip
+        assert [s["metric"]["engine_id"] for s in fenced] == ["engine-b"]
+        stalled = 'discovery_routing_engines{job="discovery-router",status="stalled"}'
+        assert prometheus.value(stalled) == 1
+        causes = prometheus.server.query("discovery_watcher_reconnects_total")
+        assert {s["metric"]["job"] for s in causes} >= {"discovery-watcher", "discovery-router"}
+        # The dashboard's variables list what the fleet has.
+        match = {"match[]": '{__name__=~"discovery_.+"}'}
+        jobs = prometheus.server.api("label/job/values", **match)
+        assert set(jobs) == set(JOBS)
+        selectors = prometheus.server.api(
+            "label/selector/values", **{"match[]": "discovery_routing_engines"}
+        )
+        assert "model=demo" in selectors
+
+        prometheus.wait_state("DiscoveryEngineStalled", "firing", timeout=30)
+        (alert,) = prometheus.server.alerts("DiscoveryEngineStalled")
+        assert alert["labels"]["engine_id"] == "engine-a"
+        assert alert["labels"]["instance"] == prometheus.instance("discovery-launcher")
+        assert router.poll() is None and launcher.poll() is None
+    finally:
+        for process in processes.values():
+            stop_process(process, timeout=30)
+        print(f"--- registrar\n{registrar.output()[-3000:]}")
+        registrar.stop()
+        for name, log in logs.items():  # shown when the test fails
+            print(f"--- {name}\n{log.read()[-3000:]}")
+            log.close()
