@@ -947,7 +947,10 @@ def test_k8s_and_compose_give_engines_routers_and_etcd_the_same_settings():
 
 # -- every name used in deploy/ is real ------------------------------------------------------
 
-SUBCOMMAND = re.compile(r"(?<![\w./-])discovery[ \t]+(register|deregister|list|watch|demo)\b")
+SUBCOMMAND = re.compile(
+    r"(?<![\w./-])discovery[ \t]+"
+    r"(register|launch|deregister|drain|undrain|pause|resume|list|watch|top|demo)\b"
+)
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
 
 
