@@ -75,6 +75,21 @@ def test_the_rules_pass_promtool_check() -> None:
 
 
 @pytest.mark.prometheus
+def test_the_kubernetes_rules_and_the_compose_config_pass_promtool(tmp_path: Path) -> None:
+    manifest = REPO / "deploy" / "k8s" / "monitoring" / "prometheus-rule.yaml"
+    spec = tmp_path / "from-prometheusrule.yml"
+    spec.write_text(yaml.safe_dump(yaml.safe_load(manifest.read_text())["spec"]))
+    checked = promtool("check", "rules", str(spec))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    config = yaml.safe_load((PROMETHEUS_DIR / "compose-prometheus.yml").read_text())
+    assert config["rule_files"] == ["/etc/prometheus/discovery-rules.yml"]  # the mount
+    config["rule_files"] = [str(RULES)]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    checked = promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.prometheus
 def test_every_rule_passes_its_promtool_unit_tests() -> None:
     tested = promtool("test", "rules", RULES_TEST.name)
     assert tested.returncode == 0, tested.stdout + tested.stderr
