@@ -196,7 +196,7 @@ class LeaseTtls:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
-        self._thread.join(10.0)
+        self._thread.join(2.0)  # a daemon: a reading stuck on an unreachable etcd is left
 
     def _run(self) -> None:
         while not self._stop.is_set():
