@@ -16,13 +16,18 @@
   private member the test may stop); see ``Store``.
 
 Tests marked ``docker`` need a Docker engine and the images: without them they are
-skipped with the reason. Every local member is checked to be gone, with its data
-directory (and its namespaces and links), after the test; every container, to be removed.
+skipped with the reason. Tests marked ``prometheus`` need Debian's ``prometheus`` package
+(``prometheus`` and ``promtool``; .ci/prometheus.sh installs it in CI): without it they
+are skipped with the reason. Under CI=true a skipped test of either kind fails the run
+(the counting tests of tests/test_fixtures.py run last). Every local member is checked to
+be gone, with its data directory (and its namespaces and links), after the test; every
+container, to be removed.
 
 A test that uses one of the real-etcd fixtures above (directly or through another, like
-``settings``) or is marked ``docker`` is marked ``external`` here; a test that starts a
-process itself carries the mark in its module. The quick tier (``./dev test --quick``) is
-``-m "not external"``; a test without the mark that starts a process fails, saying so.
+``settings``) or is marked ``docker`` or ``prometheus`` is marked ``external`` here; a test
+that starts a process itself carries the mark in its module. The quick tier (``./dev test
+--quick``) is ``-m "not external"``; a test without the mark that starts a process fails,
+saying so.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from discovery.embedded_netns import PartitionableCluster, leftovers, unavailabl
 from discovery.memory import MemoryEtcd, MemoryPort
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
+from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem
 
 # The fixtures of this module that start etcd: a test using one is marked external.
 PROCESS_FIXTURES = frozenset({"etcd_endpoints", "etcd", "etcd3", "netns_etcd3", "chaos_etcd3"})
@@ -56,19 +62,26 @@ def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> Iterator[None]:
     """Mark tests external (before ``-m`` selects); then, among the selected tests, skip
-    Docker tests, with the reason, where they cannot run, and count them last."""
+    Docker and Prometheus tests, with the reason, where they cannot run; count them last."""
     for item in items:
         uses = getattr(item, "fixturenames", ())
-        if item.get_closest_marker("docker") or PROCESS_FIXTURES.intersection(uses):
+        marked = item.get_closest_marker("docker") or item.get_closest_marker("prometheus")
+        if marked or PROCESS_FIXTURES.intersection(uses):
             item.add_marker(pytest.mark.external)
     yield
-    docker_items = [item for item in items if item.get_closest_marker("docker")]
-    problem = docker_problem() if docker_items else None
-    if problem:
-        for item in docker_items:
-            item.add_marker(pytest.mark.skip(reason=f"Docker test: {problem}"))
-    # The test that counts the Docker tests runs after all of them.
-    counters = [item for item in items if item.get_closest_marker("counts_docker_tests")]
+    for marker, problem_of in (("docker", docker_problem), ("prometheus", prometheus_problem)):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        problem = problem_of() if marked else None
+        if problem:
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason=f"{marker} test: {problem}"))
+    # The tests that count the Docker and the Prometheus tests run after all of them.
+    counters = [
+        item
+        for item in items
+        if item.get_closest_marker("counts_docker_tests")
+        or item.get_closest_marker("counts_prometheus_tests")
+    ]
     for item in counters:
         items.remove(item)
         items.append(item)
@@ -96,9 +109,12 @@ def _no_process_unless_external(
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Record each Docker test's outcome for the test that counts them."""
-    if "docker" in report.keywords and (report.when == "call" or report.outcome != "passed"):
-        DOCKER_OUTCOMES[report.nodeid] = report.outcome
+    """Record each Docker and Prometheus test's outcome for the tests that count them."""
+    if report.when == "call" or report.outcome != "passed":
+        if "docker" in report.keywords:
+            DOCKER_OUTCOMES[report.nodeid] = report.outcome
+        if "prometheus" in report.keywords:
+            PROMETHEUS_OUTCOMES[report.nodeid] = report.outcome
 
 
 @contextlib.contextmanager

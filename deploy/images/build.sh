@@ -106,10 +106,13 @@ build_package_image() {
     mkdir -p "$stage/src" "$context/wheels"
     cp -r "$repo/pyproject.toml" "$repo/README.md" "$repo/discovery" "$stage/src/"
     "$python" -m pip wheel --quiet --no-deps --wheel-dir "$context/wheels" "$stage/src"
+    local wheel
+    wheel=$(echo "$context"/wheels/discovery-*.whl)
+    # The package with the extras the image installs (deploy/Dockerfile): metrics, top.
     "$python" -m pip download --quiet --only-binary=:all: --dest "$context/wheels" \
         --python-version "$pyver" --implementation cp --abi "cp$pyver" \
         --platform "manylinux_2_28_$arch" --platform "manylinux2014_$arch" \
-        "$context"/wheels/discovery-*.whl
+        "${wheel}[metrics,top]"
     cp "$repo/deploy/etcd-roles.sh" "$context/"
     build -f "$repo/deploy/Dockerfile" \
         --build-arg "ETCD_IMAGE=$IMAGE_ETCD" --build-arg "BASE_IMAGE=$base" \

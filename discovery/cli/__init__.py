@@ -29,11 +29,13 @@ from ._commands import (
     cmd_pause,
     cmd_register,
     cmd_resume,
+    cmd_top,
     cmd_undrain,
     cmd_watch,
 )
 from ._demo import cmd_demo
 from ._logging import command_logging, report_failure
+from ._top import add_top_flags
 
 __all__ = ["build_parser", "main"]
 
@@ -79,9 +81,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status_commands(commands)
 
     lst = commands.add_parser("list", help="print the live engines")
-    lst.add_argument("--format", choices=("table", "json"), default="table")
+    lst.add_argument(
+        "-o",
+        "--format",
+        choices=("table", "json", "wide"),
+        default="table",
+        help="table (default), json (for scripts), or wide: the table with what each "
+        "engine's state relay says (load, cached blocks; waits up to a few seconds for them)",
+    )
+    lst.add_argument(
+        "--selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="list only engines carrying these labels",
+    )
     add_settings_flags(lst)
     lst.set_defaults(func=cmd_list)
+
+    top = commands.add_parser(
+        "top",
+        help="the live table in the terminal, redrawn in place (q quits, s sorts)",
+        description="Show the engines (status, weight version, address, TTL left, load and "
+        "cached blocks where relayed, labels) and how current the watcher is, redrawn as "
+        "they change. Keys: q quits, s sorts by the next column. Without a terminal it "
+        "prints one line per event, as `discovery watch` does.",
+    )
+    add_top_flags(top)
+    add_settings_flags(top)
+    top.set_defaults(func=cmd_top)
 
     watch = commands.add_parser("watch", help="print one line per change until signalled")
     watch.add_argument("--format", choices=("text", "jsonl"), default="text")

@@ -1,4 +1,4 @@
-"""The commands: ``register``, ``launch``, ``deregister``, ``list``, ``watch``, and the status.
+"""The commands: register, launch, deregister, list, watch, top, and the status ones.
 
 The status ones are ``drain``, ``undrain``, ``pause`` and ``resume``. Each command is a thin
 layer over the public API.
@@ -7,17 +7,22 @@ layer over the public API.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 
 from .. import (
+    Connection,
     EndpointEvent,
     EndpointWatcher,
     EngineEventReceiver,
     EngineRecord,
+    EngineStates,
     ListedEngine,
+    Metrics,
     RegistrationState,
+    Settings,
     StopSignals,
     deregister,
     drain,
@@ -28,6 +33,7 @@ from .. import (
     register_engine,
     resume,
     undrain,
+    watch_table,
 )
 from ._args import (
     UsageError,
@@ -36,6 +42,8 @@ from ._args import (
     parse_labels,
     settings_from_args,
 )
+from ._top import cells as top_cells
+from ._top import engine_rows, run_top
 
 log = logging.getLogger("discovery.cli")
 
@@ -181,8 +189,10 @@ def _cells(record: EngineRecord, *, lead: bool) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """Print the live engines as a table or as JSON."""
-    listing = list_engines(settings_from_args(args), lease_ttls=True)
+    """Print the live engines as a table (``wide``: with their relayed state) or as JSON."""
+    settings = settings_from_args(args)
+    selector = parse_labels(args.selector, "--selector")
+    listing = list_engines(settings, selector=selector, lease_ttls=True)
     for skipped in listing.skipped:
         print(f"warning: skipping {skipped}", file=sys.stderr)
     if args.format == "json":
@@ -197,16 +207,52 @@ def cmd_list(args: argparse.Namespace) -> int:
         ]
         print(json.dumps({"revision": listing.revision, "engines": out}, indent=2))
         return 0
+    if args.format == "wide":
+        print(_table(listing.engines, _relayed(settings, selector, listing.engines)))
+        return 0
     print(_table(listing.engines))
     return 0
 
 
-def _table(engines: tuple[ListedEngine, ...]) -> str:
+# How long `list -o wide` waits for the engines' state relays to answer.
+WIDE_WAIT = 3.0
+
+
+def _relayed(
+    settings: Settings, selector: dict[str, str], engines: tuple[ListedEngine, ...]
+) -> dict[str, tuple[str, str, str]]:
+    """Engine id -> (LOAD, CACHED, STATE) cells: what each engine's state relay says."""
+    relaying = [e.engine_id for e in engines if e.record.state_address]
+    cells = {e.engine_id: ("-", "-", "-") for e in engines}
+    if not relaying:
+        return cells
+    with (
+        Connection(settings) as connection,
+        watch_table(settings, selector=selector, connection=connection) as table,
+        EngineStates(table) as states,
+    ):
+        present = [e for e in relaying if e in table]
+        with contextlib.suppress(TimeoutError):  # unsynced ones show as syncing
+            states.wait_synced(present, timeout=WIDE_WAIT)
+        snapshot = table.snapshot()
+        for row in engine_rows(snapshot, {}, states):
+            if row.engine_id in cells:
+                load, cached = top_cells(row)[5:7]
+                relay = snapshot[row.engine_id].state_address or "-"
+                cells[row.engine_id] = (load, cached, relay)
+    return cells
+
+
+def _table(
+    engines: tuple[ListedEngine, ...], relayed: dict[str, tuple[str, str, str]] | None = None
+) -> str:
     # The record's own columns come from its declaration: lead ones after the id, the
-    # rest at the end; the endpoint's (Megatron's fields) and the lease's in between.
+    # rest at the end; the endpoint's (Megatron's fields) and the lease's in between; with
+    # ``relayed`` (-o wide), what the engine's state relay says before the trailing ones.
     header = (
         "ENGINE", *EngineRecord.column_headers(lead=True),
         "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL",
+        *(("LOAD", "CACHED", "STATE RELAY") if relayed is not None else ()),
         *EngineRecord.column_headers(lead=False),
     )  # fmt: skip
     lines = [header]
@@ -224,6 +270,7 @@ def _table(engines: tuple[ListedEngine, ...]) -> str:
                 str(caps.max_num_seqs),
                 str(policy) if policy else ("-" if caps.enable_prefix_caching else "off"),
                 "-" if engine.ttl is None else f"{engine.ttl}s",
+                *(relayed[engine.engine_id] if relayed is not None else ()),
                 *engine.record.column_cells(lead=False),
             )
         )
@@ -251,15 +298,37 @@ def cmd_watch(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     selector = parse_labels(args.selector, "--selector")
     stop = StopSignals()
-    metrics = metrics_from_args(args)
+    return _print_events(settings, selector, args.format, stop, metrics_from_args(args))
+
+
+def _print_events(
+    settings: Settings,
+    selector: dict[str, str],
+    fmt: str,
+    stop: StopSignals,
+    metrics: Metrics | None = None,
+) -> int:
     watcher = EndpointWatcher(settings, selector=selector, metrics=metrics)
     watcher.start()
 
     def emit(event: EndpointEvent) -> None:
-        print(format_event(event, args.format), flush=True)
+        print(format_event(event, fmt), flush=True)
 
     watcher.subscribe(emit)
     while not stop.wait(None):
         pass
     watcher.stop()
     return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """The live table in the terminal until ``q`` or SIGTERM/SIGINT (``_top.py``).
+
+    Without a terminal, one line per event as ``watch`` prints them.
+    """
+    settings = settings_from_args(args)
+    selector = parse_labels(args.selector, "--selector")
+    stop = StopSignals()
+    if not sys.stdout.isatty():
+        return _print_events(settings, selector, "text", stop)
+    return run_top(settings, selector, args.sort, stop)
