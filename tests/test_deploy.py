@@ -1253,6 +1253,7 @@ def monitoring_documents() -> dict[str, dict]:
     return docs
 
 
+@pytest.mark.external  # runs deploy/prometheus/make-prometheusrule.sh
 def test_the_prometheusrule_is_the_rule_file_and_valid(tmp_path):
     """deploy/k8s/monitoring/prometheus-rule.yaml: what make-prometheusrule.sh writes from
     the rule file (so the same rules promtool tests), valid for the operator's CRD."""
