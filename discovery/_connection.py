@@ -82,6 +82,7 @@ from ._metrics import NO_METRICS, MetricsHooks
 from ._port import (
     MAX_BATCH,
     PAGE_SIZE,
+    CloseHooks,
     Compacted,
     KeyValue,
     LeaseGone,
@@ -361,7 +362,7 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):  # type: ignore[misc]
                 member.close()
 
 
-class Connection:
+class Connection(CloseHooks):
     """A failover etcd client with retries, error translation and defect guards.
 
     The python3-etcd3 implementation of the etcd port. Thread-safe: registrations,
@@ -374,12 +375,11 @@ class Connection:
     def __init__(
         self, settings: Settings | None = None, *, metrics: MetricsHooks | None = None
     ) -> None:
+        super().__init__()
         self.settings = settings if settings is not None else Settings.from_env()
         self._metrics = metrics or NO_METRICS
         self._lock = threading.Lock()
         self._client: _Client | None = None
-        self._closed = False
-        self._close_hooks: list[Callable[[], None]] = []
         self._endpoints = tuple(self.settings.endpoints)
         # Member sync: the thread waits on _sync_due for its period or a failover.
         self._sync_due = threading.Condition()
@@ -560,20 +560,10 @@ class Connection:
         """``host:port`` of the member calls go to now."""
         return str(self._current().endpoint_in_use.netloc)
 
-    def on_close(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` when the connection closes, before its channels do."""
-        with self._lock:
-            self._close_hooks.append(hook)
-
     def close(self) -> None:
         """Close every channel. Streams opened on this connection end with an error."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            hooks, self._close_hooks = self._close_hooks, []
-        for hook in hooks:
-            hook()
+        if not self._close_hooks_run():
+            return
         with self._lock:
             client, self._client = self._client, None
         if client is not None:

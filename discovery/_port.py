@@ -17,6 +17,7 @@ dropped stream) is an ``EtcdUnavailableError``; ``call`` retries such failures.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
@@ -179,6 +180,34 @@ class KeepAliveStream(Protocol):
 
     def abandon(self) -> None:
         """End a stream that stopped answering, and avoid its member for a moment."""
+
+
+class CloseHooks:
+    """What every port does the same way on close: run the ``on_close`` hooks, once.
+
+    An implementation calls ``_close_hooks_run()`` first in ``close()``: False means it
+    was closed already.
+    """
+
+    def __init__(self) -> None:
+        self._hooks_lock = threading.Lock()
+        self._closed = False
+        self._close_hooks: list[Callable[[], None]] = []
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when the port closes, before its streams end."""
+        with self._hooks_lock:
+            self._close_hooks.append(hook)
+
+    def _close_hooks_run(self) -> bool:
+        with self._hooks_lock:
+            if self._closed:
+                return False
+            self._closed = True
+            hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
+        return True
 
 
 class EtcdPort(Protocol):

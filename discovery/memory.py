@@ -43,6 +43,7 @@ from ._errors import ClosedError, DiscoveryError, EtcdError, EtcdUnavailableErro
 from ._port import (
     MAX_BATCH,
     PAGE_SIZE,
+    CloseHooks,
     Compacted,
     KeepAliveStream,
     KeyValue,
@@ -464,7 +465,7 @@ class _KeepAlive(_Stream[tuple[int, int]]):
         self.cancel()
 
 
-class MemoryPort:
+class MemoryPort(CloseHooks):
     """One client of a ``MemoryEtcd``: the etcd port in memory (see the module docs).
 
     ``etcd`` is the cluster to share with other ports; without it the port has one of
@@ -485,8 +486,7 @@ class MemoryPort:
         self._dial_timeout = dial_timeout
         self._election_timeout = election_timeout
         self._lock = threading.Lock()
-        self._closed = False
-        self._close_hooks: list[Callable[[], None]] = []
+        super().__init__()
 
     @property
     def dial_timeout(self) -> float:
@@ -609,20 +609,10 @@ class MemoryPort:
         """Open one keepalive stream for any number of leases."""
         return self._cluster()._open_keepalive(self)
 
-    def on_close(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` when the port closes, before its streams end."""
-        with self._lock:
-            self._close_hooks.append(hook)
-
     def close(self) -> None:
         """Run the on_close hooks, then end this port's streams with an error. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            hooks, self._close_hooks = self._close_hooks, []
-        for hook in hooks:
-            hook()
+        if not self._close_hooks_run():
+            return
         self.etcd._disconnect(self)
         if self._owns_etcd:
             self.etcd.close()
