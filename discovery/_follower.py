@@ -433,19 +433,20 @@ class EngineStates:
             while not self._stopping:
                 due = min(next_beat, next_report) if self._load_sources else next_beat
                 ready = dict(poller.poll(int(max(0.0, due - time.monotonic()) * 1000)))
-                if wake in ready:
+                if ready.pop(wake, None) is not None:  # the table changed, or a stop
                     os.read(wake, 65536)
-                self._sync_sockets(context, poller, sockets, pack)
-                for sock, follow in list(sockets.items()):
-                    if sock in ready:
+                    self._sync_sockets(context, poller, sockets, pack)
+                for sock in ready:
+                    follow = sockets.get(sock)
+                    if follow is not None:
                         self._receive(sock, follow, pack, msgpack)
                 now = time.monotonic()
                 if now >= next_beat:
                     self._beat(sockets, pack, now)
-                    next_beat = now + self._heartbeat
+                    next_beat, next_report = now + self._heartbeat, now + self._report_interval
                 elif self._load_sources and now >= next_report:
                     self._report(sockets, pack, changed_only=True)
-                next_report = now + self._report_interval
+                    next_report = now + self._report_interval
         except Exception:
             log.exception("engine states: the follower failed; routers fall back to estimates")
         finally:
