@@ -80,7 +80,11 @@ def test_registration_and_watcher_follow_every_member_replaced(
 
         started = time.monotonic()
         for old in list(cluster.members):
-            cluster.add_member()
+            new = cluster.add_member()
+            if cluster.leader() is old:
+                # Removing the leader costs an election, longer than this short TTL allows
+                # on a loaded machine; an operator moves leadership first, as etcd advises.
+                cluster.move_leader(new)
             cluster.remove_member(old)
         assert time.monotonic() - started < 60
 
