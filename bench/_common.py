@@ -206,8 +206,9 @@ def _page_section(name: str, section: str) -> list[str]:
         footer.append(f"[earlier runs](history/{name}.md)")
     if name in PLOTTED and PLOT.exists():
         footer.append(f"[plot]({PLOT.name})")
-    if (BENCH / f"{name}.png").exists():  # a benchmark's own plot
-        footer.append(f"[plot]({name}.png)")
+    own = BENCH / f"{name}.png"  # a benchmark's own plot (latency.png is run_all.py's)
+    if own.exists() and own != PLOT:
+        footer.append(f"[plot]({own.name})")
     figures = [line for line in printout if not line.startswith(LOAD)]
     figures = [] if recorded_targets(name) else ["```", *figures, "```", ""]
     note = NOTES / f"{name}.md"
