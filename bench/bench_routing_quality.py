@@ -21,7 +21,7 @@ report reaches each router's real ``EngineStates`` as the relays' messages.
   (``max_tokens``, all generated): lognormal, median 200, sigma 0.8, clipped to [8, 1024].
 * ``pressure``: ``chat`` with 4096 system prompts and caches of 128 blocks (32,768 tokens,
   about 12 average system prompts): the blocks the prompts of any 30 s reference are about
-  3 times the fleet's cache, so evictions decide what is still cached.
+  4 times the fleet's cache, so evictions decide what is still cached.
 
 **Engines**: 8 or 64, each with 32 slots (``max_num_seqs``), 256-token KV blocks and a
 prefix cache of 1024 blocks (``--cache-blocks``; 262,144 tokens; LRU over Megatron's
@@ -749,7 +749,7 @@ FACTORS = (1.1, 1.25, 1.5, 2.0)
 WORKLOADS = {
     "shared": Workload(mean_turns=1.0, max_turns=1),  # one turn: shared system prompts only
     "chat": Workload(),  # multi-turn conversations on the same system prompts
-    # Caches a quarter the size, four times the system prompts: the working set is several
+    # Caches an eighth the size, 16 times the system prompts: the working set is about 4
     # times the fleet's cache and evictions decide what is still there.
     "pressure": Workload(systems=4096, cache_blocks=128),
 }
