@@ -206,6 +206,9 @@ def _page_section(name: str, section: str) -> list[str]:
         footer.append(f"[earlier runs](history/{name}.md)")
     if name in PLOTTED and PLOT.exists():
         footer.append(f"[plot]({PLOT.name})")
+    own = BENCH / f"{name}.png"  # a benchmark's own plot (latency.png is run_all.py's)
+    if own.exists() and own != PLOT:
+        footer.append(f"[plot]({own.name})")
     figures = [line for line in printout if not line.startswith(LOAD)]
     figures = [] if recorded_targets(name) else ["```", *figures, "```", ""]
     note = NOTES / f"{name}.md"
@@ -356,11 +359,13 @@ def make_endpoint(index: int) -> InferenceEngineEndpoint:
 LABELS = {"model": "llama-3-8b", "zone": "a", "pool": "prefill"}
 
 
-def memory_table(engines: int, **capabilities: int) -> RoutingTable:
+def memory_table(engines: int, *, state_relays: bool = False, **capabilities: int) -> RoutingTable:
     """A RoutingTable of ``engines`` alike engines ``engine-000``..., fed in memory (no etcd).
 
     They advertise ``first_prefix_block``; ``capabilities`` sets ``context_length``,
-    ``kv_cache_block_size``, ``total_kv_blocks`` and ``max_num_seqs``.
+    ``kv_cache_block_size``, ``total_kv_blocks`` and ``max_num_seqs``. ``state_relays``:
+    each record carries a ``state_address`` (nothing listens there: an ``EngineStates``
+    started with ``connect=False`` follows them and is fed by hand).
     """
     caps = InferenceEngineCapabilities(
         max_num_batched_tokens=8192,
@@ -373,7 +378,11 @@ def memory_table(engines: int, **capabilities: int) -> RoutingTable:
     entries = {}
     for i in range(engines):
         address = f"tcp://10.0.{i // 250}.{i % 250}:5555"
-        record = EngineRecord(f"engine-{i:03d}", InferenceEngineEndpoint(address, caps))
+        record = EngineRecord(
+            f"engine-{i:03d}",
+            InferenceEngineEndpoint(address, caps),
+            state_address=f"tcp://10.1.{i // 250}.{i % 250}:5556" if state_relays else None,
+        )
         entries[record.engine_id] = Entry(f"/k/{record.engine_id}", record, 1)
     table.store.replace(entries, 1)
     return table

@@ -6,6 +6,15 @@ routing table is fed in memory, as the watcher would feed it.
 
 * Latency: ``time.perf_counter_ns`` around each ``pick()`` (release is outside the timed
   span), over prompts of 1024 tokens (2 shared system blocks + 2 own blocks, block size 256).
+* ``kv_aware`` latency: prompts of 32 blocks (8192 tokens), on an ``EngineStates`` started
+  with ``connect=False`` and fed one ``hello`` per engine: 3,000 random block hashes each,
+  plus the prompts' prefixes (Megatron's hash). Rows: ``kv_aware`` (one of 32 system
+  prompts of 16 blocks, Zipf-like, each held by 4 engines, then 16 own blocks: the policy
+  hashes 17 blocks), ``no match`` (no engine holds the first block: 1 block hashed),
+  ``full match`` (2 engines hold all 32 blocks: 32 hashed), ``hashes given`` (as
+  ``kv_aware``, with ``Router.pick(block_hashes=...)``: computed before the timed span, as
+  a frontend keeping each conversation's chain would; nothing hashed). Hashing alone is
+  timed too (``block_hashes``), to split the ``kv_aware`` row.
 * Spread: a discrete-event closed loop over the same prompts (32 shared system prompts,
   Zipf-like popularity) and over distinct prompts. Clients at 75% of the fleet's slots
   each send a request, hold the handle for an exponentially distributed time, release it
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import math
 import os
 import random
 import statistics
@@ -28,29 +38,45 @@ from typing import Any
 
 from _common import Target, memory_table, record_results
 
-from discovery import Router, RoutingPolicy, RoutingTable
+from discovery import EngineStates, Router, RoutingPolicy, RoutingTable, block_hashes
+from discovery._kvstate import pack_hashes
 
 SIZES = (8, 64, 512)
 BLOCK = 256
 SLOTS = 64
+KV_ROW = "kv_aware"
+KV_GIVEN = "kv_aware, hashes given"
+KV_ROWS = {  # row -> its prompts (make_kv_prompts)
+    KV_ROW: "prefix",
+    "kv_aware, no match": "none",
+    "kv_aware, full match": "full",
+    KV_GIVEN: "prefix",  # Router.pick(block_hashes=...): computed beforehand, untimed
+}
+KV_PROMPT_BLOCKS = 32
+KV_HELD = 3000  # random blocks each engine holds besides the prompts' prefixes
 TARGETS = {  # (row, engines) -> median target in microseconds
     ("round_robin", 8): 5.0,
     ("round_robin", 64): 5.0,
     ("round_robin", 512): 5.0,
     ("first_prefix_block", 64): 30.0,
+    (KV_ROW, 64): 50.0,
+    (KV_ROW, 512): 150.0,
+    (KV_GIVEN, 64): 50.0,
+    (KV_GIVEN, 512): 150.0,
 }
-# Rows: each policy with its defaults, and the two prefix policies without the load bound.
+# Rows: each policy with its defaults (kv_aware: below), the prefix policies without the bound.
 ROWS: dict[str, dict[str, Any]] = {
-    **{p.value: {"policy": p} for p in RoutingPolicy},
+    **{p.value: {"policy": p} for p in RoutingPolicy if p is not RoutingPolicy.KV_AWARE},
     "first_prefix_block c=None": {"policy": "first_prefix_block", "load_factor": None},
     "longest_prefix c=None": {"policy": "longest_prefix", "load_factor": None},
 }
 
 
-def make_table(engines: int) -> RoutingTable:
+def make_table(engines: int, *, state_relays: bool = False) -> RoutingTable:
     return memory_table(
         engines,
-        context_length=8192,
+        state_relays=state_relays,
+        context_length=16384 if state_relays else 8192,  # kv_aware's 8192-token prompts fit
         kv_cache_block_size=BLOCK,
         total_kv_blocks=4000,
         max_num_seqs=SLOTS,
@@ -69,17 +95,25 @@ def make_prompts(count: int, systems: int, rng: random.Random) -> list[list[int]
     ]
 
 
-def pick_latency(engines: int, row: str, prompts: list[list[int]], picks: int) -> list[int]:
-    router = Router(make_table(engines), **ROWS[row])
-    for prompt in prompts[:500]:  # warm-up: the router's derived state and the index
-        router.pick(prompt, 128).release()
+def pick_latency(
+    engines: int,
+    row: str,
+    prompts: list[list[int]],
+    picks: int,
+    router: Router | None = None,
+    hashes: list[dict[int, list[int]] | None] | None = None,
+) -> list[int]:
+    router = router or Router(make_table(engines), **ROWS[row])
+    given = hashes or [None] * len(prompts)
+    for prompt, known in zip(prompts[:500], given, strict=False):  # warm-up: derived state
+        router.pick(prompt, 128, block_hashes=known).release()
     samples = []
     clock = time.perf_counter_ns
     gc.collect()
     for i in range(picks):
-        prompt = prompts[i % len(prompts)]
+        prompt, known = prompts[i % len(prompts)], given[i % len(prompts)]
         start = clock()
-        handle = router.pick(prompt, 128)
+        handle = router.pick(prompt, 128, block_hashes=known)
         samples.append(clock() - start)
         handle.release()
     return samples
@@ -110,6 +144,59 @@ def load_spread(
     return statistics.fmean(ratios), max(ratios)
 
 
+def make_kv_prompts(
+    kind: str, engines: int, rng: random.Random
+) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """Prompts of 32 blocks and the block hashes each engine holds (``KV_ROWS``)."""
+    held = {
+        f"engine-{i:03d}": [rng.getrandbits(63) + 1 for _ in range(KV_HELD)] for i in range(engines)
+    }
+    ids = list(held)
+    half = KV_PROMPT_BLOCKS // 2 * BLOCK
+
+    def fresh(count: int) -> list[int]:
+        return [rng.randrange(32000) for _ in range(count)]
+
+    if kind == "prefix":
+        systems = [fresh(half) for _ in range(32)]
+        for system in systems:
+            for engine_id in rng.sample(ids, min(4, engines)):
+                held[engine_id] += block_hashes(system, BLOCK)
+        weights = [1 / (rank + 1) for rank in range(len(systems))]
+        prompts = [rng.choices(systems, weights)[0] + fresh(half) for _ in range(4096)]
+    elif kind == "full":
+        prompts = [fresh(2 * half) for _ in range(256)]
+        for prompt in prompts:
+            for engine_id in rng.sample(ids, min(2, engines)):
+                held[engine_id] += block_hashes(prompt, BLOCK)
+    else:
+        prompts = [fresh(2 * half) for _ in range(4096)]
+    return prompts, held
+
+
+def kv_router(engines: int, held: dict[str, list[int]]) -> Router:
+    """A kv_aware router whose EngineStates is fed a hello per engine (no relay, no thread)."""
+    table = make_table(engines, state_relays=True)
+    # Fed once, never stale: this measures picks, not relays.
+    states = EngineStates(table, stale_after=math.inf).start(connect=False)
+    load = {"in_flight": 0, "routers": 1, "yours": 0, "engine": None}
+    for engine_id, blocks in held.items():
+        states.feed(engine_id, ["hello", 1, 0, pack_hashes(blocks), load])
+    return Router(table, policy="kv_aware", states=states)
+
+
+def hashing_latency(prompts: list[list[int]], count: int, limit: int | None) -> list[int]:
+    """``block_hashes`` alone: what the kv_aware rows spend hashing ``limit`` blocks."""
+    clock = time.perf_counter_ns
+    samples = []
+    for i in range(count):
+        prompt = prompts[i % len(prompts)]
+        start = clock()
+        block_hashes(prompt, BLOCK, limit)
+        samples.append(clock() - start)
+    return samples
+
+
 def index_bytes_per_entry(prompts: list[list[int]]) -> tuple[int, float]:
     router = Router(make_table(64), policy="longest_prefix")
     tracemalloc.start()
@@ -128,6 +215,10 @@ def index_bytes_per_entry(prompts: list[list[int]]) -> tuple[int, float]:
     return entries, grown / max(entries, 1)
 
 
+def percentile99(sorted_samples: list[int]) -> float:
+    return sorted_samples[int(len(sorted_samples) * 0.99)] / 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, nothing recorded")
@@ -144,6 +235,19 @@ def main() -> None:
             p50 = samples[len(samples) // 2] / 1000
             p99 = samples[int(len(samples) * 0.99)] / 1000
             latency[row, engines] = (p50, p99)
+        for row, kind in KV_ROWS.items():
+            kv_prompts, held = make_kv_prompts(kind, engines, random.Random(engines))
+            router = kv_router(engines, held)
+            known = (
+                [{BLOCK: block_hashes(p, BLOCK)} for p in kv_prompts] if row == KV_GIVEN else None
+            )
+            samples = sorted(pick_latency(engines, row, kv_prompts, picks, router, known))
+            latency[row, engines] = (samples[len(samples) // 2] / 1000, percentile99(samples))
+            del router, held
+    hashing = {}
+    for blocks in (KV_PROMPT_BLOCKS, 1):
+        samples = sorted(hashing_latency(make_kv_prompts("none", 1, rng)[0], picks, blocks))
+        hashing[blocks] = (samples[len(samples) // 2] / 1000, percentile99(samples))
     spread = {
         (row, engines): load_spread(engines, row, prompts, steps, random.Random(7))
         for engines in (8, 64)
@@ -164,12 +268,28 @@ def main() -> None:
         + "".join(f"{f'{n} engines':>16}" for n in SIZES)
         + f"{'spread @8':>14}{'spread @64':>14}{'@64 distinct':>14}",
     ]
-    for row in ROWS:
+    for row in [*ROWS, *KV_ROWS]:
         cells = "".join(f"{latency[row, n][0]:>8.1f} /{latency[row, n][1]:>6.1f}" for n in SIZES)
         spreads = "".join(
-            f"{spread[row, n][0]:>7.2f} /{spread[row, n][1]:>5.2f}" for n in (8, 64, "distinct")
+            f"{spread[row, n][0]:>7.2f} /{spread[row, n][1]:>5.2f}" if (row, n) in spread else ""
+            for n in (8, 64, "distinct")
         )
-        lines.append(f"{row:<28}{cells}{spreads}")
+        lines.append(f"{row:<28}{cells}{spreads}".rstrip())
+    per_block = hashing[KV_PROMPT_BLOCKS][0] / KV_PROMPT_BLOCKS
+    lines += [
+        "",
+        f"kv_aware rows: prompts of {KV_PROMPT_BLOCKS} blocks of {BLOCK} tokens; Megatron's "
+        f"block hashes alone (block_hashes): {KV_PROMPT_BLOCKS} blocks "
+        f"{hashing[KV_PROMPT_BLOCKS][0]:.1f} / {hashing[KV_PROMPT_BLOCKS][1]:.1f} us, 1 block "
+        f"{hashing[1][0]:.1f} / {hashing[1][1]:.1f} us (median / p99)",
+        "split of the kv_aware row (17 blocks hashed: the 16 held, then one held nowhere): "
+        + ", ".join(
+            f"@{n} {latency[KV_ROW, n][0]:.0f} us = ~{17 * per_block:.0f} hashing + "
+            f"~{latency[KV_ROW, n][0] - 17 * per_block:.0f} the rest "
+            f"({KV_GIVEN}: {latency[KV_GIVEN, n][0]:.0f})"
+            for n in SIZES
+        ),
+    ]
     targets = [
         Target(f"pick median, {row} @ {engines}", latency[row, engines][0], limit, "us")
         for (row, engines), limit in TARGETS.items()

@@ -36,17 +36,29 @@ class LazyBlockHashes:
     """A prompt's block hashes, computed one block at a time as they are asked for.
 
     A router that stops at the first block no engine holds hashes that one block only.
+    ``known``: every complete block's hash, computed beforehand (a frontend that keeps each
+    conversation's chain); then nothing is hashed here. ValueError unless it has one hash
+    per complete block.
     """
 
     __slots__ = ("_block_size", "_blocks", "_digest", "_tokens", "hashes")
 
-    def __init__(self, tokens: Sequence[int], block_size: int) -> None:
+    def __init__(
+        self, tokens: Sequence[int], block_size: int, known: Sequence[int] | None = None
+    ) -> None:
         self._tokens = tokens
         self._block_size = block_size
         self._blocks = len(tokens) // block_size
         self._digest = _ROOT
         self.hashes: list[int] = []
         """The hashes computed so far, block 0 first."""
+        if known is not None:
+            if len(known) != self._blocks:
+                raise ValueError(
+                    f"{len(known)} block hashes given for a prompt of {self._blocks} complete "
+                    f"blocks of {block_size} tokens: give every complete block's hash"
+                )
+            self.hashes = list(known)
 
     def __len__(self) -> int:
         """The number of complete blocks."""

@@ -235,6 +235,9 @@ class PickRequest(NamedTuple):
     """The most tokens the request may generate."""
     selector: Mapping[str, str]
     """Labels this call asked for (the router's own selector is already applied)."""
+    block_hashes: Mapping[int, Sequence[int]] | None = None
+    """Megatron's hashes of the prompt's complete blocks, per block size, if the caller
+    computed them (``Router.pick(block_hashes=...)``); ``kv_aware`` then hashes nothing."""
 
 
 class Choice(NamedTuple):
@@ -528,8 +531,12 @@ class LongestPrefixPolicy(Policy):
 class StateView(Protocol):
     """What ``KvAwarePolicy`` reads of the engines' reported state (``EngineStates``)."""
 
-    def fresh_blocks(self, engine_id: str) -> Container[int] | None:
-        """The engine's cached block hashes if its state is synced and fresh, else None."""
+    def fresh_view(self) -> Mapping[str, Container[int]]:
+        """Engine id -> cached block hashes, for every engine whose state is synced and fresh.
+
+        Read once per pick; returning the same object while nothing changed lets the
+        policy reuse what it derived from it.
+        """
         ...
 
 
@@ -547,6 +554,17 @@ class KvAwarePolicy(Policy):
     ``EngineStates``' ``stale_after``, 3 s by default) is scored, that engine alone, with
     today's estimate: the blocks this router itself sent it recently (``longest_prefix``'s
     index, bounded by ``prefix_index_blocks``); each such scoring counts in ``fallbacks``.
+
+    **Cost.** The prompt is hashed lazily, only as deep as some candidate still holds it
+    (SHA-256 per block, about 5 us): a pick whose first block no engine holds hashes one
+    block. A caller holding the hashes already (a frontend keeping each conversation's
+    chain) passes them (``PickRequest.block_hashes``, ``Router.pick(block_hashes=...)``)
+    and nothing is hashed. The engines' states are read once per pick
+    (``states.fresh_view()``); which candidates have fresh state is derived once per
+    candidate set and view, so the per-candidate work is one set lookup for the first
+    block, then one per candidate still matching (bench/bench_router.py: with the hashes
+    given, about 20 us at 64 engines holding a few thousand blocks each, 70 us at 512,
+    mostly those first lookups, each a likely cache miss).
     """
 
     name = RoutingPolicy.KV_AWARE
@@ -568,6 +586,8 @@ class KvAwarePolicy(Policy):
         self._estimate = _PrefixIndex()  # what this router sent: for engines without state
         self._balance = LoadBalancedPolicy()
         self._prepared = _PerCandidateSet(_by_block_size)
+        # Per candidate group: (group, view, [(candidate, blocks)] fresh, those not, their ids).
+        self._splits: dict[int, _Split] = {}
         self.fallbacks = 0
         """Candidates scored from this router's estimate (no fresh reported state)."""
 
@@ -585,11 +605,13 @@ class KvAwarePolicy(Policy):
         best, best_score, best_cached = least, -math.inf, 0
         hashes_of: dict[int, LazyBlockHashes] = {}
         estimated: set[str] = set()
+        view = self._states.fresh_view()
+        known = request.block_hashes or {}
         for size, group in groups.items():
-            hashes = hashes_of[size] = LazyBlockHashes(tokens, size)
+            hashes = hashes_of[size] = LazyBlockHashes(tokens, size, known.get(size))
             if not len(hashes):
                 continue
-            cached, estimated_here = self._cached(group, hashes)
+            cached, estimated_here = self._cached(group, hashes, view)
             estimated |= estimated_here
             cost = weight * len(hashes)
             for candidate, blocks in cached.items():
@@ -604,27 +626,39 @@ class KvAwarePolicy(Policy):
             chosen, policy = best, RoutingPolicy.KV_AWARE
         else:
             chosen, policy, best_cached = least, RoutingPolicy.LOAD_BALANCED, 0
-        if chosen.engine_id in estimated or self._states.fresh_blocks(chosen.engine_id) is None:
+        if chosen.engine_id in estimated or chosen.engine_id not in view:
             # No state tells what it holds: remember what we send it (today's estimate).
             limit = chosen.record.endpoint.capabilities.total_kv_blocks or self.prefix_index_blocks
-            hashes = hashes_of.get(chosen.block_size) or LazyBlockHashes(tokens, chosen.block_size)
+            hashes = hashes_of.get(chosen.block_size) or LazyBlockHashes(
+                tokens, chosen.block_size, known.get(chosen.block_size)
+            )
             self._estimate.record(
                 chosen.engine_id, min(limit, self.prefix_index_blocks), hashes.all()
             )
         return Choice(chosen, policy, best_cached)
 
+    def _split(
+        self, group: Sequence[Candidate], view: Mapping[str, Container[int]]
+    ) -> tuple[list[tuple[Candidate, Container[int]]], list[Candidate], frozenset[str]]:
+        """The group's candidates with fresh state (and their blocks), those without, their ids."""
+        kept = self._splits.get(id(group))
+        if kept is None or kept[0] is not group or kept[1] is not view:
+            if len(self._splits) >= _KEPT_SETS:
+                self._splits.clear()
+            fresh = [(c, blocks) for c in group if (blocks := view.get(c.engine_id)) is not None]
+            stale = [c for c in group if c.engine_id not in view]
+            ids = frozenset(c.engine_id for c in stale)
+            kept = self._splits[id(group)] = (group, view, fresh, stale, ids)
+        return kept[2], kept[3], kept[4]
+
     def _cached(
-        self, group: Sequence[Candidate], hashes: LazyBlockHashes
-    ) -> tuple[dict[Candidate, int], set[str]]:
+        self,
+        group: Sequence[Candidate],
+        hashes: LazyBlockHashes,
+        view: Mapping[str, Container[int]],
+    ) -> tuple[dict[Candidate, int], frozenset[str]]:
         """Leading blocks each candidate holds (those holding at least one); the ids estimated."""
-        fresh: list[tuple[Candidate, Container[int]]] = []
-        stale: list[Candidate] = []
-        for candidate in group:
-            blocks = self._states.fresh_blocks(candidate.engine_id)
-            if blocks is None:
-                stale.append(candidate)
-            else:
-                fresh.append((candidate, blocks))
+        fresh, stale, ids = self._split(group, view)
         cached: dict[Candidate, int] = {}
         depth = 0
         while fresh:
@@ -641,16 +675,24 @@ class KvAwarePolicy(Policy):
         for candidate, _ in fresh:
             cached[candidate] = depth
         if stale:
-            ids = frozenset(c.engine_id for c in stale)
             estimate, holders = self._estimate.longest(_lazy_iter(hashes), ids)
             for candidate in stale:
                 if candidate.engine_id in holders:
                     cached[candidate] = estimate
-        return {c: n for c, n in cached.items() if n}, {c.engine_id for c in stale}
+        return {c: n for c, n in cached.items() if n}, ids
 
     def forget(self, engine_id: str) -> None:
         """Drop what this router estimated ``engine_id`` holds."""
         self._estimate.forget(engine_id)
+
+
+_Split = tuple[
+    Sequence[Candidate],
+    Mapping[str, Container[int]],
+    list[tuple[Candidate, Container[int]]],
+    list[Candidate],
+    frozenset[str],
+]
 
 
 def _lazy_iter(hashes: LazyBlockHashes) -> Iterator[int]:

@@ -316,18 +316,26 @@ class Router:
         weight_version: Literal["latest"] | None = None,
         min_weight_version: int | None = None,
         max_version_lag: int | None = None,
+        block_hashes: Mapping[int, Sequence[int]] | None = None,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
         ``selector`` adds labels the engine must carry for this call. ``weight_version``
         (``"latest"``), ``min_weight_version`` and ``max_version_lag``, if any is given,
-        replace the router's version options for this call. Returns a held PickHandle;
+        replace the router's version options for this call. ``block_hashes``: Megatron's
+        hashes of the prompt's complete blocks (``discovery.block_hashes``), per block
+        size, when you have them already (a frontend keeping each conversation's chain
+        hashes only the blocks a turn adds): ``kv_aware`` then hashes nothing; a block
+        size it lacks is hashed as usual, the other policies ignore it. Each entry must
+        hold one hash per complete block (ValueError otherwise). Returns a held PickHandle;
         raises NoEngineAvailableError when no engine passes the filters.
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise TypeError("max_tokens must be an integer")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if block_hashes is not None:
+            _check_block_hashes(block_hashes, len(prompt_tokens))
         versions = (
             self._versions
             if weight_version is None and min_weight_version is None and max_version_lag is None
@@ -342,7 +350,8 @@ class Router:
                 raise
             policy = pool.policy
             choice = policy.choose(
-                pool.candidates, PickRequest(prompt_tokens, max_tokens, selector or _NO_LABELS)
+                pool.candidates,
+                PickRequest(prompt_tokens, max_tokens, selector or _NO_LABELS, block_hashes),
             )
             if isinstance(choice, Choice):
                 engine, credited, matched = choice
@@ -625,6 +634,20 @@ def _versions_present(engines: Iterable[Candidate]) -> str:
     if None in counts:
         parts.append(f"no version ({counts[None]})")
     return ", ".join(parts)
+
+
+def _check_block_hashes(block_hashes: Mapping[int, Sequence[int]], prompt_len: int) -> None:
+    """One hash per complete block, for each block size given."""
+    if not isinstance(block_hashes, Mapping):
+        raise TypeError("block_hashes must map a block size to the prompt's block hashes")
+    for size, hashes in block_hashes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"block_hashes: {size!r} is no block size (a positive integer)")
+        if len(hashes) != prompt_len // size:
+            raise ValueError(
+                f"block_hashes[{size}] holds {len(hashes)} hashes; a prompt of {prompt_len} "
+                f"tokens has {prompt_len // size} complete blocks of {size} tokens"
+            )
 
 
 def _non_negative(name: str, value: object) -> int | None:

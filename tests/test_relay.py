@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -140,6 +141,34 @@ def test_a_silent_relay_makes_the_state_stale(fleet: Fleet) -> None:
         wait_for(lambda: states.cached_prefix("e1", [1]) is None, timeout=5, message="stale")
         assert states.state("e1").age > 0.3
         assert states.health().synced == 0
+
+
+def test_fresh_view_is_one_mapping_until_a_state_changes(fleet: Fleet) -> None:
+    fleet.put("e1", "tcp://127.0.0.1:1")
+    fleet.put("e2", "tcp://127.0.0.1:2")
+    states = EngineStates(fleet.table, stale_after=0.2).start(connect=False)  # fed by hand
+    load = {"in_flight": 0, "routers": 1, "yours": 0, "engine": None}
+    try:
+        assert states.fresh_view() == {}  # nothing synced yet
+        states.feed("e1", ["hello", 5, 0, pack_hashes([1, 2]), load])
+        view = states.fresh_view()
+        assert view == {"e1": {1, 2}}
+        assert states.fresh_view() is view  # nothing changed: the same mapping
+        states.feed("e1", ["kv", 5, 1, "stored", pack_hashes([3])])
+        assert states.fresh_view() is view  # an increment changes the live set, not the view
+        assert view["e1"] == {1, 2, 3}
+        states.feed("e2", ["hello", 7, 0, pack_hashes([9]), load])
+        assert states.fresh_view() == {"e1": {1, 2, 3}, "e2": {9}}
+        states.feed("e1", ["kv", 5, 3, "stored", pack_hashes([4])])  # a gap: unsynced
+        assert states.fresh_view() == {"e2": {9}}
+        time.sleep(0.3)  # silent past stale_after
+        assert states.fresh_view() == {}
+        states.feed("e2", ["tick", 7, 0])  # heard from again
+        assert states.fresh_view() == {"e2": {9}}
+        fleet.remove("e2")
+        assert states.fresh_view() == {}
+    finally:
+        states.stop()
 
 
 def test_load_reports_are_summed_across_routers_and_age_out(fleet: Fleet) -> None:

@@ -43,9 +43,11 @@ from discovery import (
     RoutingPolicy,
     RoutingTable,
     Settings,
+    block_hashes,
     register_engine,
     watch_table,
 )
+from discovery._kvstate import pack_hashes
 from discovery._record import EngineRecord
 from discovery._store import Change, EngineStore
 
@@ -675,6 +677,71 @@ def test_built_in_policy_instances_plug_in_too() -> None:
     assert router.pick(prompt, 1).policy is RoutingPolicy.LOAD_BALANCED
     for cls, name in ((RoundRobinPolicy, "round_robin"), (LoadBalancedPolicy, "load_balanced")):
         assert Router(fleet.table, policy=cls()).pick(prompt, 1).policy == name
+
+
+# -- kv_aware: block hashes the caller computed ----------------------------------------
+
+
+def kv_fleet(count: int, block: int = 16) -> tuple[Fleet, EngineStates]:
+    """Engines advertising relays, and an EngineStates fed by hand (no socket, never stale)."""
+    fleet = Fleet()
+    for i in range(count):
+        record = EngineRecord(
+            f"e{i}",
+            make_endpoint(i, kv_cache_block_size=block),
+            state_address=f"tcp://10.2.0.{i}:6000",
+        )
+        fleet.records[record.engine_id] = record
+        fleet._deliver((EventType.ADDED, record))
+    return fleet, EngineStates(fleet.table, stale_after=math.inf).start(connect=False)
+
+
+def hello(states: EngineStates, engine_id: str, blocks: Sequence[int]) -> None:
+    load = {"in_flight": 0, "routers": 1, "yours": 0, "engine": None}
+    states.feed(engine_id, ["hello", 1, 0, pack_hashes(blocks), load])
+
+
+def test_kv_aware_takes_the_block_hashes_the_caller_computed() -> None:
+    fleet, states = kv_fleet(3)
+    prompt = list(range(1000, 1064))  # 4 blocks of 16
+    real = block_hashes(prompt, 16)
+    claimed = [11, 12, 13, 14]  # what a caller says the prompt's blocks hash to
+    hello(states, "e0", real[:2])
+    hello(states, "e1", claimed)
+    hello(states, "e2", [])
+    router = Router(fleet.table, policy="kv_aware", states=states)
+    with router.pick(prompt, 1) as handle:  # hashed by the policy: e0 holds 2 blocks
+        assert (handle.engine_id, handle.policy, handle.matched_tokens) == ("e0", "kv_aware", 32)
+    with router.pick(prompt, 1, block_hashes={16: claimed}) as given:  # taken as given
+        assert (given.engine_id, given.matched_tokens) == ("e1", 64)
+    with router.pick(prompt, 1, block_hashes={16: real}) as same:  # the same as hashing
+        assert (same.engine_id, same.matched_tokens) == ("e0", 32)
+    with router.pick(prompt, 1, block_hashes={32: claimed[:2]}) as other:  # not their size
+        assert (other.engine_id, other.matched_tokens) == ("e0", 32)
+    # The other policies ignore them.
+    fpb = Router(fleet.table, policy="first_prefix_block")
+    plain = fpb.pick(prompt, 1)
+    plain.release()
+    with fpb.pick(prompt, 1, block_hashes={16: claimed}) as told:
+        assert told.engine_id == plain.engine_id
+    assert set(router.in_flight().values()) == {0}
+
+
+def test_block_hashes_must_cover_every_complete_block() -> None:
+    fleet, states = kv_fleet(1)
+    router = Router(fleet.table, policy="kv_aware", states=states)
+    prompt = list(range(40))  # 2 complete blocks of 16
+    with pytest.raises(
+        ValueError,
+        match=r"block_hashes\[16\] holds 3 hashes; a prompt of 40 tokens has 2 complete blocks",
+    ):
+        router.pick(prompt, 1, block_hashes={16: [1, 2, 3]})
+    with pytest.raises(ValueError, match="0 is no block size"):
+        router.pick(prompt, 1, block_hashes={0: []})
+    with pytest.raises(TypeError, match="block_hashes must map a block size"):
+        router.pick(prompt, 1, block_hashes=[1, 2])  # type: ignore[arg-type]
+    assert router.pick(prompt, 1, block_hashes={16: [5, 6]}).engine_id == "e0"
+    assert router.in_flight() == {"e0": 1}
 
 
 # -- auto ------------------------------------------------------------------------------
