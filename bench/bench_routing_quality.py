@@ -471,6 +471,7 @@ class Simulation:
     ) -> None:
         self.row, self.work, self.kv_delay = row, work, kv_delay
         self.seed = seed
+        random.seed(f"policies/{seed}")  # what routers' policies draw (load_balanced's pairs)
         self.rng = random.Random(seed)
         self.route_rng = random.Random(f"routers/{seed}")  # which router takes a request
         self.engines = [Engine(f"engine-{i:03d}", i, work.cache_blocks) for i in range(engines)]

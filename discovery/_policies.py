@@ -64,6 +64,7 @@ import enum
 import hashlib
 import logging
 import math
+import random
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
@@ -99,6 +100,7 @@ _SEED_PERSON = b"discovery/rdv"  # BLAKE2b personalisation: these digests mean n
 _BLOCK_PERSON = b"discovery/block"
 _SCORE = attrgetter("_score")
 _LOAD = attrgetter("load")
+_OTHERS = attrgetter("others")
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
 
 
@@ -326,12 +328,19 @@ class RoundRobinPolicy(Policy):
 
 
 class LoadBalancedPolicy(Policy):
-    """The fewest in-flight requests per slot; exact ties rotate."""
+    """The fewest requests in flight per slot; exact ties rotate.
+
+    Where other routers' load is part of the view (``Candidate.others``, relayed up to a
+    tenth of a second late), every router would send its next requests to the same
+    least-loaded engine until the next report: then the less loaded of two candidates
+    drawn at random wins (power of two choices), which spreads them.
+    """
 
     name = RoutingPolicy.LOAD_BALANCED
 
     def __init__(self) -> None:
         self._turn = 0
+        self._random = random.Random(random.getrandbits(64))  # each router draws its own
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate:
         """The least-loaded candidate."""
@@ -339,8 +348,15 @@ class LoadBalancedPolicy(Policy):
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         """The lowest ``(in_flight + 1) / capacity``; exact ties rotate."""
-        if len(candidates) == 1:
+        count = len(candidates)
+        if count == 1:
             return candidates[0]
+        if count > 2 and any(map(_OTHERS, candidates)):
+            first = self._random.randrange(count)
+            second = self._random.randrange(count - 1)
+            second += second >= first
+            one, two = candidates[first], candidates[second]
+            return one if one._score <= two._score else two
         # min() keeps the first of equals, so rotating the start spreads exact ties.
         start = self._turn % len(candidates)
         self._turn += 1
