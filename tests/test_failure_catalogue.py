@@ -13,6 +13,9 @@ themselves, in bench/RESULTS.md and README's table.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from discovery import Settings
@@ -66,3 +69,14 @@ def test_every_scenario_has_a_report_a_failure_and_limits() -> None:
         assert scenario.replays and scenario.failure and scenario.limits, scenario.name
         assert scenario.etcd in {"shared", "single", "three", "netns"}, scenario.name
 
+
+def test_readme_failure_table_is_the_recorded_one() -> None:
+    """README's table is written from bench_failures.py's recorded figures, by the harness."""
+    root = Path(__file__).resolve().parent.parent
+    recorded = json.loads((root / catalogue.RECORD).read_text())
+    readme = (root / "README.md").read_text()
+    assert catalogue.write_readme_table(readme, recorded) == readme, (
+        "README's failure table is out of date: python bench/bench_failures.py (or rewrite it "
+        "from the record with tests.catalogue.write_readme_table)"
+    )
+    assert [r["name"] for r in recorded["scenarios"]] == list(SCENARIOS)
