@@ -61,6 +61,7 @@ PAGE_ORDER = (
     "router",
     "routing_quality",
     "relay",
+    "failures",
     "chaos",
 )
 PLOT = BENCH / "latency.png"  # drawn by run_all.py from these benchmarks' bench/out files:

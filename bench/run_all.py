@@ -1,16 +1,17 @@
 """Run every benchmark (issues 7 and 16), then plot, summarise and rewrite RESULTS.md.
 
-Run: ``.venv/bin/python bench/run_all.py`` (about 20 minutes on 2 cores). Each benchmark
-runs as its own process (``bench/bench_<name>.py``), prints its table and records the run:
-its section replaces bench/results/<name>.md (the previous one moves to
-bench/history/<name>.md) and its targets bench/results/<name>.targets.json. This script
-then draws bench/latency.png (latency distributions, ours vs raw; detection times; churn
-lag; new-watcher times; only if one of those ran), prints every target of the run, met or
-missed, and rewrites bench/RESULTS.md from the latest section of every benchmark.
-``--quick`` is a smoke run with small counts that records nothing (its plot goes to
-bench/out/); ``--only latency,codec`` runs some; ``--plot-only`` redraws from
-bench/out/*.json; ``--page-only`` only rewrites RESULTS.md (after editing bench/notes/).
-bench_router.py and bench_routing_quality.py run alone (no etcd; minutes of CPU each).
+Run: ``.venv/bin/python bench/run_all.py`` (about 30 minutes on 2 cores, 9 of them the
+failure catalogue). Each benchmark runs as its own process (``bench/bench_<name>.py``),
+prints its table and records the run: its section replaces bench/results/<name>.md (the
+previous one moves to bench/history/<name>.md) and its targets
+bench/results/<name>.targets.json. This script then draws bench/latency.png (latency
+distributions, ours vs raw; detection times; churn lag; new-watcher times; only if one of
+those ran), prints every target of the run, met or missed, and rewrites bench/RESULTS.md
+from the latest section of every benchmark. ``--quick`` is a smoke run with small counts
+that records nothing (its plot goes to bench/out/); ``--only latency,codec`` runs some;
+``--plot-only`` redraws from bench/out/*.json; ``--page-only`` only rewrites RESULTS.md
+(after editing bench/notes/). bench_router.py and bench_routing_quality.py run alone (no
+etcd; minutes of CPU each). bench_failures.py also rewrites README's table of failures.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ BENCHMARKS = {
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
     "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
     "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),
+    "failures": ([], ["--runs", "1", "--only", "launch-death,register-death,drain"]),
 }
 
 

@@ -479,32 +479,43 @@ class Connection(CloseHooks):
             periodic = time.monotonic() + interval
 
     def _refresh_members(self) -> None:
-        """Read the member list and follow it; a failed read keeps the endpoints."""
+        """Read the member list and follow it; a failed read keeps the endpoints.
+
+        A member that does not answer is benched and the next one asked at once, each
+        known member at most once per refresh. Not only at the next refresh: the bench
+        lasts ``_FAILED_MEMBER_COOLDOWN``, no longer than a refresh period, so an idle
+        connection (nothing of its own fails over) would ask its removed member again at
+        every refresh, never learn the new members, and be blind once the last member it
+        knows is gone (tests/test_failure_catalogue.py, member-rotation).
+        """
         try:
             client = self._current()
         except DiscoveryError:
             return  # closed, or etcd refuses the credentials: the callers hear of it
-        channel = client.channel
-        member = client.endpoint_in_use
-        try:
-            members = (
-                etcdrpc.ClusterStub(channel)
-                .MemberList(
-                    etcdrpc.MemberListRequest(),
-                    client.timeout,
-                    credentials=client.call_credentials,
-                    metadata=client.metadata,
+        for _ in range(len(client.endpoints)):
+            channel = client.channel  # moves off a benched member (a failover)
+            member = client.endpoint_in_use
+            try:
+                members = (
+                    etcdrpc.ClusterStub(channel)
+                    .MemberList(
+                        etcdrpc.MemberListRequest(),
+                        client.timeout,
+                        credentials=client.call_credentials,
+                        metadata=client.metadata,
+                    )
+                    .members
                 )
-                .members
-            )
-        except Exception as exc:  # etcd unreachable: its callers say so
-            rpc = _rpc_error(exc)
-            if rpc is not None and rpc.code() in _MEMBER_FAILURE_CODES:
-                # Benched: the next refresh (soon: this is a failover) asks another member.
-                member.fail()
-            log.debug("etcd member list not read, endpoints kept: %s", describe(exc))
+            except Exception as exc:  # etcd unreachable: its callers say so
+                log.debug("etcd member list not read from %s: %s", member.netloc, describe(exc))
+                rpc = _rpc_error(exc)
+                if rpc is None or rpc.code() not in _MEMBER_FAILURE_CODES:
+                    return  # not this member's fault: another would answer the same
+                member.fail()  # benched: the next attempt asks another member
+                continue
+            self._follow(client, member.netloc, members)
             return
-        self._follow(client, member.netloc, members)
+        log.debug("etcd member list not read from any member, endpoints kept")
 
     def _follow(self, client: _FailoverClient, asked: str, members: Sequence[Any]) -> None:
         """Use the client URLs of ``members``, read through ``asked``, if they can be trusted.

@@ -69,7 +69,12 @@ class Settings:
     ``member_sync`` (on by default) makes the connection follow the cluster's membership:
     it replaces its endpoints with the client URLs of etcd's member list every
     ``member_sync_interval`` seconds (0: never periodically) and after every failover,
-    so members added and removed at runtime are found and left. Turn it off when the
+    so members added and removed at runtime are found and left. The default, 5 s, is
+    etcd's own pace: it adds a member only once every member has been connected for 5 s
+    (its strict reconfiguration check), so a refresh every 5 s learns a new member before
+    the last member a connection knows can be replaced, however fast an operator rotates
+    them (tests/test_failure_catalogue.py, member-rotation: with 30 s, a rotation done in
+    16 s left a watcher on the last original member blind for good). Turn it off when the
     endpoints are an etcd gRPC proxy or a load balancer: that address is the one to keep.
 
     A username with ``http://`` endpoints is refused: etcd's Authenticate call would
@@ -91,7 +96,7 @@ class Settings:
     password_file: str | None = None
     allow_insecure_auth: bool = False
     member_sync: bool = True
-    member_sync_interval: float = 30.0
+    member_sync_interval: float = 5.0
 
     def __post_init__(self) -> None:
         """Normalise and check every field; raise ConfigurationError on the first problem."""

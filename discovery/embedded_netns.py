@@ -15,6 +15,18 @@ every packet on the member's peer link in both directions (``tc qdisc replace ..
 pfifo limit 0`` on both ends; netem is not needed), so the member is partitioned from the
 others while clients still reach it; ``heal(member)`` removes the two qdiscs.
 
+``add_host()`` adds a client host of its own, for a process that must lose etcd while the
+others keep it (an engine host cut off from etcd)::
+
+    {p}k ═══ {p}j [{p}h] {p}h0 ═══ {p}g0 [{p}m0]      (one such link per member)
+
+Processes run in it with ``host.wrapper`` (``ip netns exec {p}h``); they reach member
+``i`` at its usual client URL, routed over their own link ``{p}h{i}`` (10.78.i.0/30,
+inside the namespaces only), and the root namespace reaches them at ``host.address`` (the
+fourth /30 of the cluster's client block). ``host.cut()`` drops every packet on the host's
+links to the members (``clients=True``: on its link to the root namespace too), both
+ends; ``host.heal()`` removes those qdiscs.
+
 Every namespace, link and bridge name starts with ``{p}`` = ``dsc{pid:x}x{n:x}``: unique
 per process and cluster, and naming its owner; so does the members' data directory
 (``$TMPDIR/{p}store``). Nothing is left behind:
@@ -50,7 +62,7 @@ from typing import Any
 
 from .embedded import EtcdCluster, EtcdMember
 
-__all__ = ["PartitionableCluster", "leftovers", "sweep_stale", "unavailable_reason"]
+__all__ = ["EngineHost", "PartitionableCluster", "leftovers", "sweep_stale", "unavailable_reason"]
 
 NAME_PREFIX = "dsc"
 # {prefix} then a role letter outside [0-9a-f], so the prefix can be parsed back.
@@ -58,6 +70,7 @@ _NAME = re.compile(rf"^({NAME_PREFIX}([0-9a-f]+)x[0-9a-f]+)[g-z]")
 _CLIENT_NET = (100 << 24) | (64 << 16)  # 100.64.0.0/10: 2**18 blocks of 16 addresses
 _CLIENT_BLOCKS = 1 << 18
 _PEER_NET = "10.77.0"
+_HOST_NET = "10.78"  # {_HOST_NET}.{member}.0/30: the engine host's link to a member
 _CLIENT_PORT = 2379
 _PEER_PORT = 2380
 _IFNAMSIZ = 15
@@ -200,7 +213,7 @@ class _Network:
         self.prefix = p = _new_prefix()
         self.hub = f"{p}hub"
         self.namespaces = [f"{p}m{i}" for i in range(size)]
-        base = _CLIENT_NET + 16 * _client_block()
+        self.base = base = _CLIENT_NET + 16 * _client_block()
         self.client_hosts = [_ip(base + 4 * i + 2) for i in range(size)]
         self.peer_hosts = [f"{_PEER_NET}.{i + 1}" for i in range(size)]
         # Started before anything exists, so even a half-built network is removed.
@@ -238,6 +251,55 @@ class _Network:
             _run("ip", "-n", ns, "addr", "add", f"{self.client_hosts[i]}/30", "dev", f"{p}s{i}")
             _run("ip", "-n", ns, "link", "set", f"{p}s{i}", "up")
 
+    def add_host(self) -> tuple[str, str]:
+        """Build the engine host's namespace and links; its name and its root-side address."""
+        p, ns = self.prefix, f"{self.prefix}h"
+        if len(self.namespaces) > 3:
+            raise NetnsError(
+                "an engine host needs the client block's fourth /30: 3 members at most"
+            )
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        for i, member_ns in enumerate(self.namespaces):
+            host_end, member_end = f"{_HOST_NET}.{i}.1", f"{_HOST_NET}.{i}.2"
+            _run("ip", "-n", ns, "link", "add", f"{p}h{i}", "type", "veth",
+                 "peer", f"{p}g{i}", "netns", member_ns)  # fmt: skip
+            _run("ip", "-n", ns, "addr", "add", f"{host_end}/30", "dev", f"{p}h{i}")
+            _run("ip", "-n", ns, "link", "set", f"{p}h{i}", "up")
+            _run("ip", "-n", member_ns, "addr", "add", f"{member_end}/30", "dev", f"{p}g{i}")
+            _run("ip", "-n", member_ns, "link", "set", f"{p}g{i}", "up")
+            # The member's usual client address, over this link (a member accepts a
+            # connection to any of its addresses on any of its links).
+            _run("ip", "-n", ns, "route", "add", f"{self.client_hosts[i]}/32", "via", member_end)
+        root_end, host_end = _ip(self.base + 13), _ip(self.base + 14)
+        _run("ip", "link", "add", f"{p}k", "type", "veth", "peer", f"{p}j", "netns", ns)
+        _run("ip", "addr", "add", f"{root_end}/30", "dev", f"{p}k")
+        _run("ip", "link", "set", f"{p}k", "up")
+        _run("ip", "-n", ns, "addr", "add", f"{host_end}/30", "dev", f"{p}j")
+        _run("ip", "-n", ns, "link", "set", f"{p}j", "up")
+        return ns, host_end
+
+    def host_ends(self, clients: bool) -> list[tuple[str, str]]:
+        """Both ends of the engine host's links to the members (and to the root namespace)."""
+        p, ns = self.prefix, f"{self.prefix}h"
+        ends = []
+        for i, member_ns in enumerate(self.namespaces):
+            ends += [(ns, f"{p}h{i}"), (member_ns, f"{p}g{i}")]
+        if clients:
+            ends += [(ns, f"{p}j"), ("", f"{p}k")]
+        return ends
+
+    def drop(self, ends: Sequence[tuple[str, str]]) -> None:
+        """Drop every packet on these (namespace, device) ends ("": the root namespace)."""
+        for ns, dev in ends:
+            where = ("-n", ns) if ns else ()
+            _run("tc", *where, "qdisc", "replace", "dev", dev, "root", "pfifo", "limit", "0")
+
+    def undrop(self, ends: Sequence[tuple[str, str]]) -> None:
+        for ns, dev in ends:
+            where = ("-n", ns) if ns else ()
+            _run("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
+
     def _peer_ends(self, index: int) -> list[tuple[str, str]]:
         return [
             (self.namespaces[index], f"{self.prefix}p{index}"),
@@ -245,12 +307,10 @@ class _Network:
         ]
 
     def cut(self, index: int) -> None:
-        for ns, dev in self._peer_ends(index):
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "pfifo", "limit", "0")
+        self.drop(self._peer_ends(index))
 
     def heal(self, index: int) -> None:
-        for ns, dev in self._peer_ends(index):
-            _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+        self.undrop(self._peer_ends(index))
 
     def is_cut(self, index: int) -> bool:
         ns, dev = self._peer_ends(index)[0]
@@ -265,6 +325,27 @@ class _Network:
         except subprocess.TimeoutExpired:
             self._reaper.kill()
             self._reaper.wait()
+
+
+class EngineHost:
+    """A client host of a PartitionableCluster, in a namespace of its own (module docs)."""
+
+    def __init__(self, network: _Network) -> None:
+        self._network = network
+        self.namespace, self.address = network.add_host()
+        self.wrapper = ("ip", "netns", "exec", self.namespace)
+        """The command prefix that runs a process on this host."""
+        self._cut: list[tuple[str, str]] = []
+
+    def cut(self, *, clients: bool = False) -> None:
+        """Cut the host off from every member (``clients``: from the root namespace too)."""
+        self._cut = self._network.host_ends(clients)
+        self._network.drop(self._cut)
+
+    def heal(self) -> None:
+        """Undo ``cut()``. Idempotent."""
+        cut, self._cut = self._cut, []
+        self._network.undrop(cut)
 
 
 class PartitionableCluster(EtcdCluster):
@@ -316,6 +397,15 @@ class PartitionableCluster(EtcdCluster):
         """Undo ``cut(member)``. Idempotent."""
         network, index = self._link(member)
         network.heal(index)
+
+    def add_host(self) -> EngineHost:
+        """A client host in a namespace of its own that ``cut()`` can cut off from etcd.
+
+        At most one per start; it goes with the cluster's namespaces at ``stop()``.
+        """
+        if self.network is None:
+            raise ValueError("the cluster is not running")
+        return EngineHost(self.network)
 
     def is_cut(self, member: EtcdMember) -> bool:
         """Whether ``member``'s peer link is cut now."""

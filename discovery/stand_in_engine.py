@@ -2,7 +2,8 @@ r"""A stand-in for Megatron's rank zero, for the demo and the tests: no model, s
 
     python -m discovery.stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
         [--ready JSON] [--ready-shape flat|nested] [--role ROLE] [--version V] \
-        [--kv-events N] [--kv-rate R] [--no-progress] [--truth FILE] [--exit-status N]
+        [--kv-events N] [--kv-rate R] [--no-progress] [--truth FILE] [--exit-status N] \
+        [--serve-port P [--serve-host H]]
 
 It does on the wire exactly what Megatron's ``EngineEventReporter`` does
 (``megatron/inference/integrations/dynamo/telemetry.py``): a PUSH socket with LINGER 0
@@ -22,7 +23,15 @@ use_bin_type=True)``:
 * ``"progress"`` ``{}`` at most every 0.5 s while running (``--no-progress``: an older
   Megatron that sends none).
 
-SIGUSR1 makes it go silent (no frame at all, as a hung engine) and SIGUSR2 talk again;
+``--serve-port P`` (0: a free port) gives it something clients can send requests to, an
+HTTP port on ``--serve-host`` (default 127.0.0.1): ``GET /?hold=S`` answers ``200 ok``
+after S seconds (the request's own length, at most 60), and the ready payload's
+``coordinator_address`` becomes ``tcp://H:P`` (unless ``--ready`` gives the payload).
+What a client sees is what it would see of a real engine: a dead process refuses the
+connection, a frozen one (SIGSTOP) accepts it (the kernel does) and never answers.
+
+SIGUSR1 makes it go silent (no frame at all, and no answer on the request port: a hung
+engine) and SIGUSR2 talk again (requests held meanwhile are answered then);
 SIGSTOP freezes it for real. ``--truth FILE`` keeps the block hashes it holds in FILE
 (JSON, rewritten atomically on every change) for tests to compare routers' views with. It
 runs until SIGTERM or SIGINT and exits with ``--exit-status``.
@@ -37,10 +46,13 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from ._blockhash import block_hashes
 from ._endpoint import (
@@ -52,6 +64,7 @@ from ._endpoint import (
 __all__ = ["StandInCache", "default_endpoint", "main", "nested_ready"]
 
 _BLOCK_TOKENS = 256
+_MAX_HOLD = 60.0  # seconds a request may ask to be held
 _PROGRESS_EVERY = 0.5  # Megatron's rate limit on progress heartbeats
 _SYSTEM_PROMPTS = 4
 _VOCABULARY = 32_000
@@ -175,7 +188,49 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--truth", help="keep the held block hashes in this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exit-status", type=int, default=0)
+    parser.add_argument("--serve-port", type=int, help="answer requests on this port (0: free)")
+    parser.add_argument("--serve-host", default="127.0.0.1", help="the request port's address")
     return parser
+
+
+class _RequestPort:
+    """The engine's request port: ``GET /?hold=S`` answers ``200 ok`` after S seconds.
+
+    While ``talking`` is clear (the engine is silent) requests are held unanswered.
+    """
+
+    def __init__(self, host: str, port: int, talking: threading.Event) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                hold = parse_qs(urlsplit(self.path).query).get("hold", ["0"])[0]
+                try:
+                    seconds = min(max(float(hold), 0.0), _MAX_HOLD)
+                except ValueError:
+                    seconds = 0.0
+                time.sleep(seconds)  # the request's own length: the engine at work
+                talking.wait()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", "3")
+                    self.end_headers()
+                    self.wfile.write(b"ok\n")
+                except OSError:
+                    pass  # the client gave up waiting: what it does with a hung engine
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.address = f"tcp://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="stand-in-requests", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,17 +238,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     import zmq  # noqa: PLC0415 - the launch extra; the demo imports default_endpoint
 
     args = _parser().parse_args(argv)
-    # Blocked before ZeroMQ starts its threads, so sigtimedwait() gets them.
+    # Blocked before ZeroMQ (and the request port) start their threads, so sigtimedwait()
+    # gets them.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP | _TALK)
+    talking = threading.Event()
+    talking.set()
+    requests = None
+    if args.serve_port is not None:
+        requests = _RequestPort(args.serve_host, args.serve_port, talking)
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.dynamo_parent_event_address)
     try:
-        received = _StandIn(args, sock).run()
+        address = requests.address if requests is not None else None
+        received = _StandIn(args, sock, talking, address).run()
     finally:
         sock.close()
         context.term()
+        if requests is not None:
+            requests.close()
     print(f"stand-in engine: {received.name}, exiting {args.exit_status}", file=sys.stderr)
     return int(args.exit_status)
 
@@ -205,13 +269,20 @@ _TALK = {signal.SIGUSR1, signal.SIGUSR2}  # go silent, talk again
 class _StandIn:
     """The engine's side of the socket: ready, KV events, progress, silence on demand."""
 
-    def __init__(self, args: argparse.Namespace, sock: Any) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        sock: Any,
+        talking: threading.Event,
+        address: str | None = None,
+    ) -> None:
         import msgpack  # noqa: PLC0415
 
         self._args = args
         self._sock = sock
+        self._talking = talking
         self._pack = msgpack.Packer(use_bin_type=True).pack
-        endpoint = default_endpoint()
+        endpoint = default_endpoint() if address is None else default_endpoint(address)
         caps = endpoint["capabilities"]
         self._cache = StandInCache(caps["total_kv_blocks"], caps["kv_cache_block_size"])
         self._rng = random.Random(args.seed)
@@ -251,6 +322,10 @@ class _StandIn:
                 return signal.Signals(received.si_signo)
             if received is not None:
                 silent = received.si_signo == signal.SIGUSR1
+                if silent:
+                    self._talking.clear()
+                else:
+                    self._talking.set()
                 continue
             now = time.monotonic()
             if now >= next_prompt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from discovery import (
@@ -141,9 +143,22 @@ class ChildLog:
 
 
 class Registrar:
-    """A ``discovery register`` subprocess, stopped by pid at the end of the test."""
+    """A ``discovery register`` subprocess, stopped by pid at the end of the test.
 
-    def __init__(self, settings: Settings, engine_id: str, ttl: float = 3.0, extra=()) -> None:
+    Its record's coordinator address is ``tcp://{engine_id}:5555`` unless
+    ``coordinator_address`` is given; ``env`` adds variables to its environment.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine_id: str,
+        ttl: float = 3.0,
+        extra=(),
+        *,
+        coordinator_address: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.engine_id = engine_id
         self._log = ChildLog()
         self.process = subprocess.Popen(
@@ -157,7 +172,7 @@ class Registrar:
                 "--engine-id",
                 engine_id,
                 "--coordinator-address",
-                f"tcp://{engine_id}:5555",
+                coordinator_address or f"tcp://{engine_id}:5555",
                 "--context-length",
                 "4096",
                 "--kv-cache-block-size",
@@ -174,7 +189,7 @@ class Registrar:
                 str(ttl),
                 *extra,
             ],
-            env=cli_env(settings),
+            env={**cli_env(settings), **(env or {})},
             stdout=self._log.file,
             stderr=subprocess.STDOUT,
         )
@@ -200,6 +215,91 @@ class Registrar:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(10)
+        self._log.close()
+
+
+# The stand-in engine (discovery/stand_in_engine.py) as ``discovery launch``'s COMMAND.
+STAND_IN = [
+    sys.executable,
+    "-m",
+    "discovery.stand_in_engine",
+    "--dynamo-parent-event-address",
+    "{event_address}",
+]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only a zombie waiting for its new parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+class Launcher:
+    """A ``discovery launch`` process; everything it started is killed by pid at the end.
+
+    ``env`` adds variables to its environment; ``wrapper`` is a command prefix it runs
+    under (``ip netns exec NAME``: it execs, so the process is still the launcher).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine_id: str,
+        command: list[str],
+        *flags: str,
+        env: Mapping[str, str] | None = None,
+        wrapper: Sequence[str] = (),
+    ) -> None:
+        self.engine_id = engine_id
+        self.key = settings.keyspace.key(engine_id)
+        self._log = ChildLog()
+        launch = [sys.executable, "-m", "discovery", "launch", "--engine-id", engine_id, *flags]
+        self.process = subprocess.Popen(
+            [*wrapper, *launch, "--", *command],
+            env={**cli_env(settings), **(env or {})},
+            stdout=self._log.file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def output(self) -> str:
+        return self._log.read()
+
+    def child_pid(self, timeout: float = 10.0) -> int:
+        found = wait_for(
+            lambda: re.search(r"engine started: pid (\d+)", self.output()),
+            timeout=timeout,
+            message="the launcher's 'engine started' line",
+        )
+        return int(found.group(1))
+
+    def guard_pid(self) -> int:
+        """The guard process: the launcher's child that runs _guard.py."""
+        launcher = self.process.pid
+
+        def find() -> int | None:
+            for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+                with contextlib.suppress(FileNotFoundError):  # a child that just ended
+                    if "_guard.py" in Path(f"/proc/{child}/cmdline").read_text():
+                        return int(child)
+            return None
+
+        return wait_for(find, message="the guard process")
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        pids = [int(p) for p in re.findall(r"engine started: pid (\d+)", self.output())]
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        for pid in pids:  # the engine's group, in case the test failed before it ended
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGCONT)  # a frozen group dies of SIGKILL all the same
+                os.killpg(pid, signal.SIGKILL)
         self._log.close()
 
 

@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from discovery.embedded import find_binary
 from discovery.embedded_netns import leftovers, sweep_stale
 
 from .containers import DOCKER_OUTCOMES, docker_problem
@@ -91,6 +93,49 @@ def test_a_cut_member_loses_its_leader_and_heals(netns_etcd3) -> None:
         timeout=15,
         message="the healed member to catch up",
     )
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_an_engine_host_reaches_etcd_until_cut(netns_etcd3, tmp_path: Path) -> None:
+    """An engine host's processes reach the members at their usual URLs and are reached
+    from the root namespace; cut() takes etcd away (clients=True: the root too)."""
+    cluster = netns_etcd3
+    host = cluster.add_host()
+    ctl = [*host.wrapper, find_binary("etcdctl"), "--endpoints", ",".join(cluster.endpoints),
+           "--dial-timeout", "1s", "--command-timeout", "1s"]  # fmt: skip
+
+    def etcd_answers() -> bool:
+        put = subprocess.run([*ctl, "put", "/k", "v"], capture_output=True, timeout=30, check=False)
+        return put.returncode == 0
+
+    server = subprocess.Popen(
+        [*host.wrapper, sys.executable, "-m", "http.server", "--bind", host.address, "8000"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://{host.address}:8000/"
+    try:
+        assert wait_for(etcd_answers, timeout=15, message="etcd from the host")
+        wait_for(lambda: _answers(url), timeout=15, message="the host's server from the root")
+        host.cut()
+        assert not etcd_answers()
+        assert _answers(url)  # only etcd is cut off
+        host.cut(clients=True)
+        assert not _answers(url)
+        host.heal()
+        assert _answers(url)
+        assert wait_for(etcd_answers, timeout=15, message="etcd from the healed host")
+    finally:
+        server.kill()
+        server.wait(10)
 
 
 _OWNER = """

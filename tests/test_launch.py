@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
+import http.client
 import json
 import os
 import re
 import shlex
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,15 +20,18 @@ from discovery._launch import check_command
 from discovery.cli import build_parser
 from discovery.stand_in_engine import default_endpoint
 
-from .helpers import WatchLog, cli_env, get_kv, run_cli, run_python, wait_for
+from .helpers import (
+    STAND_IN,
+    Launcher,
+    WatchLog,
+    cli_env,
+    get_kv,
+    gone,
+    run_cli,
+    run_python,
+    wait_for,
+)
 
-STAND_IN = [
-    sys.executable,
-    "-m",
-    "discovery.stand_in_engine",
-    "--dynamo-parent-event-address",
-    "{event_address}",
-]
 # A child that never sends anything and ignores SIGTERM and SIGINT.
 STUBBORN = [
     sys.executable,
@@ -40,67 +41,6 @@ STUBBORN = [
     "print('stubborn engine up', sys.argv[1], flush=True); time.sleep(600)",
     "{event_address}",
 ]
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or only a zombie waiting for its new parent to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-class Launcher:
-    """A ``discovery launch`` process; everything it started is killed by pid at the end."""
-
-    def __init__(self, settings: Settings, engine_id: str, command: list[str], *flags: str) -> None:
-        self.engine_id = engine_id
-        self.key = settings.keyspace.key(engine_id)
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        launch = [sys.executable, "-m", "discovery", "launch", "--engine-id", engine_id, *flags]
-        self.process = subprocess.Popen(
-            [*launch, "--", *command],
-            env=cli_env(settings),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def child_pid(self) -> int:
-        found = wait_for(
-            lambda: re.search(r"engine started: pid (\d+)", self.output()),
-            message="the launcher's 'engine started' line",
-        )
-        return int(found.group(1))
-
-    def guard_pid(self) -> int:
-        """The guard process: the launcher's child that runs _guard.py."""
-        launcher = self.process.pid
-
-        def find() -> int | None:
-            for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
-                if "_guard.py" in Path(f"/proc/{child}/cmdline").read_text():
-                    return int(child)
-            return None
-
-        return wait_for(find, message="the guard process")
-
-    def wait(self, timeout: float = 30) -> int:
-        return self.process.wait(timeout)
-
-    def stop(self) -> None:
-        pids = [int(p) for p in re.findall(r"engine started: pid (\d+)", self.output())]
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-        for pid in pids:  # the engine's group, in case the test failed before it ended
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        self._log.close()
 
 
 @pytest.fixture
@@ -138,7 +78,7 @@ def test_the_stand_in_is_registered_from_its_ready_message_and_sigterm_stops_all
     launcher.process.send_signal(signal.SIGTERM)
     assert launcher.wait() == 0, launcher.output()
     assert get_kv(settings.endpoints, launcher.key) is None
-    assert _gone(child) and _gone(guard)
+    assert gone(child) and gone(guard)
     out = launcher.output()
     assert "stand-in engine: SIGTERM, exiting 0" in out  # forwarded to the engine
     counts = re.search(
@@ -157,11 +97,11 @@ def test_sigterm_with_a_drain_timeout_drains_while_the_engine_serves(
     launcher.process.send_signal(signal.SIGTERM)
     at, event = launched.watch.wait("drainer-0", "updated")
     assert event.status == "draining" and event.record.drain_deadline is not None
-    assert not _gone(child)  # the engine keeps serving what it has while draining
+    assert not gone(child)  # the engine keeps serving what it has while draining
     removed_at, _ = launched.watch.wait("drainer-0", "removed")
     assert removed_at - at >= 1.5  # the drain lasted (a revoke, not the 30 s TTL)
     assert launcher.wait() == 0, launcher.output()
-    assert _gone(child)
+    assert gone(child)
     assert launched.watch.kinds("drainer-0") == ["added", "updated", "removed"]
 
 
@@ -185,7 +125,39 @@ def test_when_the_engine_ends_the_record_is_gone_within_a_second(
     removed_at, _ = launched.watch.wait("ending", "removed", timeout=10)
     assert removed_at - sent < 1.0, removed_at - sent  # revoked, not expired (TTL 30 s)
     assert launcher.wait() == status, launcher.output()
-    assert _gone(child)
+    assert gone(child)
+
+
+def _answers(address: str, timeout: float = 1.0) -> bool | None:
+    """GET the stand-in's request port: True (200), None (no answer in time), False (refused)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        connection.request("GET", "/?hold=0")
+        return connection.getresponse().status == 200
+    except TimeoutError:
+        return None
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+def test_the_stand_in_answers_requests_on_its_port_unless_silent_or_dead(
+    settings: Settings, launched
+) -> None:
+    launcher = launched("serving", [*STAND_IN, "--serve-port", "0"])
+    launched.watch.wait("serving", "added", timeout=60)
+    address = json.loads(get_kv(settings.endpoints, launcher.key)["value"])["coordinator_address"]
+    assert address.startswith("tcp://127.0.0.1:") and address != "tcp://127.0.0.1:5555"
+    assert _answers(address) is True
+    child = launcher.child_pid()
+    os.kill(child, signal.SIGUSR1)  # silent: a hung engine answers nothing
+    wait_for(lambda: _answers(address, 0.5) is None, message="no answer while silent")
+    os.kill(child, signal.SIGUSR2)
+    wait_for(lambda: _answers(address), message="answers again")
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: _answers(address) is False, message="refused once dead")
 
 
 def test_what_the_engine_left_in_its_group_is_killed_when_it_exits(launched, tmp_path) -> None:
@@ -194,10 +166,10 @@ def test_what_the_engine_left_in_its_group_is_killed_when_it_exits(launched, tmp
     launcher = launched("leaver", ["sh", "-c", shell, "sh", *STAND_IN])
     launched.watch.wait("leaver", "added", timeout=60)
     sleeper = int(pidfile.read_text())
-    assert not _gone(sleeper)
+    assert not gone(sleeper)
     os.kill(launcher.child_pid(), signal.SIGTERM)
     assert launcher.wait() == 0, launcher.output()
-    wait_for(lambda: _gone(sleeper), message="the sleeper left in the group killed")
+    wait_for(lambda: gone(sleeper), message="the sleeper left in the group killed")
 
 
 @pytest.mark.parametrize("engine", ["stand-in", "stubborn"])
@@ -213,8 +185,8 @@ def test_a_sigkilled_launcher_leaves_no_engine_and_the_lease_expires(launched, e
     launcher.process.kill()
     killed = time.monotonic()
     launcher.wait()
-    wait_for(lambda: _gone(child), timeout=2 + 5, message="engine stopped by the guard")
-    wait_for(lambda: _gone(guard), message="guard exited")
+    wait_for(lambda: gone(child), timeout=2 + 5, message="engine stopped by the guard")
+    wait_for(lambda: gone(guard), message="guard exited")
     if engine == "stand-in":
         removed_at, _ = launched.watch.wait(launcher.engine_id, "removed", timeout=10)
         assert removed_at - killed <= 2 + 2, removed_at - killed
@@ -227,7 +199,7 @@ def test_stop_timeout_escalates_to_sigkill(launched) -> None:
     child = launcher.child_pid()
     launcher.process.send_signal(signal.SIGINT)
     assert launcher.wait() == 128 + signal.SIGKILL, launcher.output()
-    assert _gone(child)
+    assert gone(child)
     assert "engine still running: SIGKILL to its process group" in launcher.output()
 
 
@@ -248,7 +220,7 @@ def test_no_valid_ready_within_the_ready_timeout_stops_the_engine(
     if engine == "capabilities-shape":
         assert "ready payload fits no shape: accepted are flat" in out
         assert "1 rejected" in out
-    assert _gone(child)
+    assert gone(child)
     assert get_kv(settings.endpoints, launcher.key) is None
     assert launched.watch.kinds("unready") == []
 
@@ -263,7 +235,7 @@ def test_a_second_launcher_with_the_same_engine_id_is_refused(settings, launched
     assert f"engine id 'twin' is already registered at '{first.key}' by lease {lease:016x}" in (
         second.output()
     )
-    assert _gone(child)
+    assert gone(child)
     assert get_kv(settings.endpoints, first.key)["lease"] == lease
     assert first.process.poll() is None
 
@@ -383,7 +355,7 @@ def test_stall_action_stop_ends_the_engine_and_the_record_at_once(
     # Marked within S + 1 s (as above), then the record goes within 1 s of that.
     assert removed_at - stopped <= stall + 1.0 + 1.0, removed_at - stopped
     assert launcher.wait() == 124, launcher.output()
-    assert _gone(child)
+    assert gone(child)
     assert get_kv(settings.endpoints, launcher.key) is None
     out = launcher.output()
     assert "the stall action is stop" in out and "stand-in engine: SIGTERM" in out

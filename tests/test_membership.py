@@ -193,6 +193,25 @@ def test_a_failed_member_list_read_keeps_the_endpoints(etcd3: EtcdCluster) -> No
         assert conn.call(lambda: conn.get("/k")).value == b"v"
 
 
+def test_a_refresh_that_meets_a_removed_member_asks_another_at_once(etcd3: EtcdCluster) -> None:
+    """An idle connection (no call of its own fails over) whose member was removed: its
+    refresh asks another member at once. It used to bench the member for 5 s and return,
+    so the next refresh, 5 s later, asked the same removed member again, and so on: the
+    connection never learned the new members and went blind when the last one it knew was
+    replaced (the failure catalogue's member-rotation scenario, on its checker)."""
+    cluster = etcd3
+    settings = _settings(cluster.members, "idle", member_sync_interval=0)  # refreshed here
+    with Connection(settings) as conn:
+        conn.call(lambda: conn.replace("/k", b"v", 0))
+        in_use = conn.member_in_use
+        replaced = next(m for m in cluster.members if m.client_url.endswith(in_use))
+        cluster.add_member()
+        cluster.remove_member(replaced)  # and stopped: it refuses connections
+        conn._refresh_members()  # what the sync thread runs, periodically
+        assert set(conn.endpoints) == set(cluster.endpoints)
+        assert conn.member_in_use != in_use
+
+
 def test_a_stub_left_on_a_dropped_member_is_built_again(etcd3: EtcdCluster) -> None:
     """Following the membership closes a removed member's channel. A call racing that can
     leave a stub on the closed channel in the client's cache: the call that meets it fails

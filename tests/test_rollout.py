@@ -40,9 +40,18 @@ from discovery._record import EngineRecord
 from discovery._store import Change, EngineStore
 from discovery.cli._commands import format_event
 
-from .helpers import Registrar, etcdctl, get_kv, make_endpoint, raw_call, run_cli, wait_for
+from .helpers import (
+    STAND_IN,
+    Launcher,
+    Registrar,
+    etcdctl,
+    get_kv,
+    make_endpoint,
+    raw_call,
+    run_cli,
+    wait_for,
+)
 from .test_endpoint import megatron_from_dict
-from .test_launch import STAND_IN, Launcher
 
 READY, PAUSED = EngineStatus.READY, EngineStatus.PAUSED
 

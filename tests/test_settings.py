@@ -60,7 +60,7 @@ def test_defaults() -> None:
     assert settings.secure is False
     assert settings.keyspace == KeySpace()
     assert settings.member_sync is True
-    assert settings.member_sync_interval == 30.0
+    assert settings.member_sync_interval == 5.0
 
 
 def test_settings_are_frozen() -> None:

@@ -68,7 +68,7 @@ _SETTINGS_FLAGS = {
     "member_sync_interval": (
         "--member-sync-interval",
         "seconds between refreshes of the endpoints from etcd's member list, 0: only after "
-        "a failover ($DISCOVERY_MEMBER_SYNC_INTERVAL, default 30)",
+        "a failover ($DISCOVERY_MEMBER_SYNC_INTERVAL, default 5)",
     ),
 }
 _FLOAT_SETTINGS = ("dial_timeout", "request_timeout", "election_timeout", "member_sync_interval")
