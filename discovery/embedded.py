@@ -286,13 +286,17 @@ class EtcdCluster:
     def start(self, timeout: float = _START_TIMEOUT) -> EtcdCluster:
         """Start every member on fresh ports and wait until the cluster is healthy."""
         # Free ports are only free until someone else binds them: retry on a clash.
-        for attempt in Retrying(
-            retry=retry_if_exception_type(EtcdStartError),
-            stop=stop_after_attempt(3),
-            reraise=True,
-        ):
-            with attempt:
-                self._start_once(timeout)
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception_type(EtcdStartError),
+                stop=stop_after_attempt(3),
+                reraise=True,
+            ):
+                with attempt:
+                    self._start_once(timeout)
+        except BaseException:
+            self.stop()  # a start that failed leaves no member or data directory
+            raise
         return self
 
     def _start_once(self, timeout: float) -> None:
