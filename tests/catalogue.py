@@ -8,12 +8,13 @@ runs, its figures in bench/RESULTS.md and README's table). One run of one scenar
       `discovery launch`, or `discovery register` processes (the engine is the registrar's
       process: its request port is its metrics port), on loopback or an engine host in a
       network namespace of its own
-        -> etcd -> the router's table (a listener timestamps every event) -> Router
+        -> etcd -> the router's table (a store sink timestamps each event as it is
+           applied) -> Router
     client: a thread that picks continuously (round robin, PICK_INTERVAL apart), sends
       each request to the engine's coordinator address (an HTTP GET that must answer within
       ANSWER_TIMEOUT: a dead engine refuses, a frozen or hung one never answers) and
       releases its handle with failed=True when it gets no answer, so fencing acts;
-      every pick is recorded (time, engine, answered)
+      every pick is recorded (its start, engine, answered, when the router answered)
     the scenario: applies its failure at a known time (``Run.fail``), ends it if it ends
       (``Run.recover``: heal, SIGCONT, etcd answering again)
     a checker: compares the table with etcd (a listing at one revision, through its own
@@ -195,6 +196,7 @@ class Pick:
     at: float
     engine_id: str | None  # None: no engine available
     answered: bool
+    chosen: float  # when the router had answered: it read its view before this
     done: float
 
 
@@ -221,11 +223,13 @@ class Client:
             try:
                 handle = self._router.pick([rng.randrange(32_000) for _ in range(8)], 8)
             except NoEngineAvailableError:
-                self._record(Pick(at, None, False, time.monotonic()))
+                now = time.monotonic()
+                self._record(Pick(at, None, False, now, now))
             else:
+                chosen = time.monotonic()
                 answered = send(handle.endpoint.coordinator_address, self._hold)
                 handle.release(failed=not answered)
-                self._record(Pick(at, handle.engine_id, answered, time.monotonic()))
+                self._record(Pick(at, handle.engine_id, answered, chosen, time.monotonic()))
             self._stop.wait(PICK_INTERVAL)  # the workload's pace
 
     def _record(self, pick: Pick) -> None:
@@ -253,7 +257,11 @@ def _pickable(record: Any) -> bool:
 
 
 class TableLog:
-    """Every batch a table applied, timestamped by a listener; and what it implies."""
+    """Every batch a table's store applied, and what it implies.
+
+    A store sink runs under the store's lock, as the batch is applied: a pick that started
+    after an event's time saw it, and one that had its answer before did not.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -266,9 +274,10 @@ class TableLog:
         """Follow ``table`` (a new view: what it holds is new to it)."""
         with self._cond:
             self._present = set()
-        return table.subscribe(self._on_batch)
+        return table.store.add_sink(self)
 
-    def _on_batch(self, events: Sequence[EndpointEvent], _snapshot: object) -> None:
+    def deliver(self, events: Sequence[EndpointEvent]) -> None:
+        """Log one batch (the store's sink protocol)."""
         now = time.monotonic()
         with self._cond:
             for event in events:
@@ -281,6 +290,9 @@ class TableLog:
                     self._present.add(event.engine_id)
                 self.events.append((now, event))
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """The store closed (the store's sink protocol): nothing follows."""
 
     def _changes(self, engine_id: str, after: float) -> Iterator[tuple[float, bool]]:
         """(time, pickable) of each event of ``engine_id`` at or after ``after``."""
@@ -734,7 +746,7 @@ class Run:
                 figures.evict = evicted - failure
                 figures.evict_after_recovery = evicted - recovered
                 figures.after_evict = sum(
-                    1 for p in mine if p.at >= evicted and (back is None or p.at < back)
+                    1 for p in mine if p.at >= evicted and (back is None or p.chosen < back)
                 )
         if self.scenario.returns:
             backs, absents = [], []
@@ -1101,7 +1113,7 @@ def member_rotation(run: Run) -> Figures:
 
         at_etcd = written.wait(lambda: first_event(written), timeout=30)
         at_router = run.log.wait(lambda: first_event(run.log), timeout=30)
-        # Both listeners run in this process: the router's may even come first.
+        # Both logs run in this process: the router's may even come first.
         run.extra["add_seen"] = max(0.0, at_router - at_etcd) if at_etcd and at_router else 60.0
         run.ready(late)
     finally:
