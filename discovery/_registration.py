@@ -272,9 +272,18 @@ class Registration:
         return self._listeners.add(callback)
 
     def wait_for_state(self, state: RegistrationState, timeout: float | None = None) -> bool:
-        """Block until the state is ``state``; False on timeout."""
+        """Block until the state is ``state``; False on timeout.
+
+        ``CLOSED`` is reached when the close has finished: the key is deleted (or the
+        close gave up on an unreachable etcd), not merely begun.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._state_changed:
-            return self._state_changed.wait_for(lambda: self._state == state, timeout)
+            if not self._state_changed.wait_for(lambda: self._state == state, timeout):
+                return False
+        if state is not RegistrationState.CLOSED:
+            return True
+        return self._closed.wait(None if deadline is None else deadline - time.monotonic())
 
     def __repr__(self) -> str:
         lease = f"{self._lease_id:016x}" if self._lease_id else None

@@ -21,6 +21,7 @@ from discovery import (
     deregister,
     register_engine,
 )
+from discovery.memory import MemoryEtcd, MemoryPort
 
 from .conftest import Store
 from .helpers import losses_after_a_mass_loss, make_endpoint, wait_for
@@ -108,6 +109,35 @@ def test_a_member_drains_alone(store: Store) -> None:
         assert store.get(a.key) is None
         assert b.status is EngineStatus.READY and session.alive
         assert store.get(b.key).lease == session.lease_id
+
+
+class _SlowDelete(MemoryPort):
+    """A client whose deletes wait for ``release`` (a close that takes its time)."""
+
+    def __init__(self, etcd: MemoryEtcd) -> None:
+        super().__init__(etcd)
+        self.deleting = threading.Event()
+        self.release = threading.Event()
+
+    def delete_owned(self, key: str, lease_id: int) -> bool:
+        self.deleting.set()
+        assert self.release.wait(10)
+        return super().delete_owned(key, lease_id)
+
+
+def test_closed_means_the_key_is_gone(memory_etcd: MemoryEtcd) -> None:
+    port = _SlowDelete(memory_etcd)
+    with Session(ttl=10, connection=port) as session:
+        a = register_engine(make_endpoint(1), engine_id="a", session=session)
+        closing = threading.Thread(target=a.close)
+        closing.start()
+        assert port.deleting.wait(5)
+        # The close has begun but the key is still there: not CLOSED yet.
+        assert not a.wait_for_state(RegistrationState.CLOSED, timeout=0.2)
+        port.release.set()
+        assert a.wait_for_state(RegistrationState.CLOSED, timeout=10)
+        assert port.get(a.key) is None
+        closing.join()
 
 
 def test_operator_revoke_of_the_session_lease_brings_every_record_back(store: Store) -> None:
