@@ -4,15 +4,18 @@
 #   * one answers already (DOCKER_HOST or the default socket): it is used as it is;
 #   * else, as root: installs Debian's docker.io, docker-compose and debootstrap when
 #     missing, starts a private dockerd (its own data root, exec root, pidfile and unix
-#     socket under a temporary directory; no iptables rules) and exports DOCKER_HOST;
-#     `docker_engine_down` (an EXIT trap of .ci/run) stops it by its pid and removes its
-#     containers, networks, volumes, images and directories;
+#     socket under a temporary directory; no iptables rules; its containers' upstream
+#     DNS is .ci/dns-nxdomain.py on its bridge) and exports DOCKER_HOST;
+#     `docker_engine_down` (an EXIT trap of .ci/run) stops both by their pids and removes
+#     its containers, networks, volumes, images and directories;
 #   * where neither works it returns 1 after printing why (the Docker tests then skip,
 #     and under CI=true that fails the run).
 
 docker_engine_dir=""
 docker_engine_pid=""
 docker_engine_made_bridge=0
+docker_engine_dns_pid=""
+docker_engine_bridge=172.17.0.1  # docker0's address (Docker's default), pinned with --bip
 
 _engine() { echo "docker-engine: $*"; }
 
@@ -32,8 +35,11 @@ docker_engine_up() {
     fi
     docker_engine_dir=$(mktemp -d /tmp/ci-docker.XXXXXX)
     local dir=$docker_engine_dir
+    # Its containers' upstream DNS is .ci/dns-nxdomain.py on the bridge's address, started
+    # below (without NAT they reach no other; see that file for why it matters).
     dockerd --data-root "$dir/data" --exec-root "$dir/exec" --pidfile "$dir/dockerd.pid" \
-        -H "unix://$dir/docker.sock" --iptables=false >"$dir/dockerd.log" 2>&1 &
+        -H "unix://$dir/docker.sock" --iptables=false \
+        --bip "$docker_engine_bridge/16" --dns "$docker_engine_bridge" >"$dir/dockerd.log" 2>&1 &
     docker_engine_pid=$!
     docker_engine_made_bridge=1
     export DOCKER_HOST="unix://$dir/docker.sock"
@@ -47,7 +53,10 @@ docker_engine_up() {
         fi
         sleep 0.5
     done
-    _engine "dockerd $(docker version --format '{{.Server.Version}}') (pid $docker_engine_pid) at $DOCKER_HOST"
+    python3 "$(dirname "${BASH_SOURCE[0]}")/dns-nxdomain.py" "$docker_engine_bridge" \
+        >"$dir/dns.log" 2>&1 &
+    docker_engine_dns_pid=$!
+    _engine "dockerd $(docker version --format '{{.Server.Version}}') (pid $docker_engine_pid) at $DOCKER_HOST, DNS (pid $docker_engine_dns_pid) on $docker_engine_bridge"
 }
 
 # Debian's packages, where something is missing (about 20 s).
@@ -95,6 +104,11 @@ docker_engine_down() {
         docker volume prune -f >/dev/null 2>&1
     fi
     kill -TERM "$pid" 2>/dev/null
+    if [ -n "$docker_engine_dns_pid" ]; then
+        kill "$docker_engine_dns_pid" 2>/dev/null
+        wait "$docker_engine_dns_pid" 2>/dev/null
+        docker_engine_dns_pid=""
+    fi
     local deadline=$((SECONDS + 30))
     while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do
         sleep 0.2
