@@ -447,9 +447,11 @@ def test_a_silent_engine_that_sent_progress_is_stalled_then_ready_again(
         try:
             sender.send("ready", megatron_to_dict())
             registration = rx.wait_registered(timeout=10)
+            # Silence starts when the receiver hears the frame, after this and before
+            # wait_for sees it counted: timed from here, never earlier than S.
+            silent_from = time.monotonic()
             sender.send("progress", {})
             wait_for(lambda: rx.health().progress == 1, message="the progress frame")
-            silent_from = time.monotonic()
             wait_for(lambda: _status(settings, registration.key) == "stalled", timeout=5)
             assert 1.0 <= time.monotonic() - silent_from < 2.0  # within S + 1 s
             assert rx.state is ReceiverState.STALLED and rx.health().stalls == 1
