@@ -277,13 +277,10 @@ class Registration:
         ``CLOSED`` is reached when the close has finished: the key is deleted (or the
         close gave up on an unreachable etcd), not merely begun.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if state is RegistrationState.CLOSED:
+            return self._closed.wait(timeout)  # set only after the state became CLOSED
         with self._state_changed:
-            if not self._state_changed.wait_for(lambda: self._state == state, timeout):
-                return False
-        if state is not RegistrationState.CLOSED:
-            return True
-        return self._closed.wait(None if deadline is None else deadline - time.monotonic())
+            return self._state_changed.wait_for(lambda: self._state == state, timeout)
 
     def __repr__(self) -> str:
         lease = f"{self._lease_id:016x}" if self._lease_id else None
