@@ -1158,91 +1158,94 @@ _METADATA = {
         "annotations": _STRINGS,
     },
 }
+
+
+def _operator_kind(kind: str, spec: dict) -> dict:
+    """The schema of a monitoring.coreos.com/v1 ``kind`` whose spec is ``spec``."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": spec,
+        },
+    }
+
+
 # The Prometheus Operator's monitoring.coreos.com/v1 kinds, as far as these manifests use
 # them (its CRDs' schemas, restated; unknown keys refused, as the API server prunes them).
-PROMETHEUS_RULE = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PrometheusRule"},
-        "metadata": _METADATA,
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "groups": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["name"],
-                        "additionalProperties": False,
-                        "properties": {
-                            "name": {"type": "string", "minLength": 1},
-                            "interval": {"type": "string", "pattern": _DURATION},
-                            "limit": {"type": "integer"},
-                            "rules": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["expr"],
-                                    "additionalProperties": False,
-                                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-                                    "properties": {
-                                        "alert": {"type": "string"},
-                                        "record": {"type": "string"},
-                                        "expr": {"type": ["string", "integer"]},
-                                        "for": {"type": "string", "pattern": _DURATION},
-                                        "keep_firing_for": {"type": "string", "pattern": _DURATION},
-                                        "labels": _STRINGS,
-                                        "annotations": _STRINGS,
-                                    },
+PROMETHEUS_RULE = _operator_kind(
+    "PrometheusRule",
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "groups": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": {"type": "string", "pattern": _DURATION},
+                        "limit": {"type": "integer"},
+                        "rules": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["expr"],
+                                "additionalProperties": False,
+                                "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                                "properties": {
+                                    "alert": {"type": "string"},
+                                    "record": {"type": "string"},
+                                    "expr": {"type": ["string", "integer"]},
+                                    "for": {"type": "string", "pattern": _DURATION},
+                                    "keep_firing_for": {"type": "string", "pattern": _DURATION},
+                                    "labels": _STRINGS,
+                                    "annotations": _STRINGS,
                                 },
                             },
                         },
                     },
-                }
-            },
+                },
+            }
         },
     },
-}
-POD_MONITOR = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "metadata": _METADATA,
-        "spec": {
-            "type": "object",
-            "required": ["selector", "podMetricsEndpoints"],
-            "additionalProperties": False,
-            "properties": {
-                "jobLabel": {"type": "string"},
-                "selector": {
+)
+POD_MONITOR = _operator_kind(
+    "PodMonitor",
+    {
+        "type": "object",
+        "required": ["selector", "podMetricsEndpoints"],
+        "additionalProperties": False,
+        "properties": {
+            "jobLabel": {"type": "string"},
+            "selector": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"matchLabels": _STRINGS},
+            },
+            "podMetricsEndpoints": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {"matchLabels": _STRINGS},
-                },
-                "podMetricsEndpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
-                            "interval": {"type": "string", "pattern": _DURATION},
-                        },
+                    "properties": {
+                        "port": {"type": "string"},
+                        "path": {"type": "string"},
+                        "interval": {"type": "string", "pattern": _DURATION},
                     },
                 },
             },
         },
     },
-}
+)
 
 
 def monitoring_documents() -> dict[str, dict]:
