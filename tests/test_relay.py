@@ -195,6 +195,26 @@ def test_load_reports_are_summed_across_routers_and_age_out(fleet: Fleet) -> Non
         relay.close()
 
 
+def test_the_load_an_engine_reports_replaces_the_routers_sum(fleet: Fleet) -> None:
+    relay = StateRelay("tcp://127.0.0.1:*", name="e1", **FAST)
+    fleet.put("e1", relay.start())
+    states = EngineStates(fleet.table, load=lambda: {"e1": 3}, **FAST).start()
+    try:
+        wait_for(lambda: states.others("e1") == 0, timeout=5, message="our own 3 only")
+        relay.set_engine_load({"active_request_count": 5, "waiting_request_count": 2})
+        # The engine's 7 include our 3: the other routers hold 4.
+        wait_for(lambda: states.others("e1") == 4, timeout=5, message="the engine's count")
+        assert states.fresh("e1")["engine"] == {
+            "active_request_count": 5,
+            "waiting_request_count": 2,
+        }
+        relay.set_engine_load(None)  # back to the routers' reports
+        wait_for(lambda: states.others("e1") == 0, timeout=5, message="the routers' sum")
+    finally:
+        states.stop()
+        relay.close()
+
+
 def test_garbage_from_subscribers_is_ignored_and_counted(fleet: Fleet) -> None:
     relay = StateRelay("tcp://127.0.0.1:*", name="e1", **FAST)
     address = relay.start()
