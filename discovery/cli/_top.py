@@ -34,6 +34,7 @@ from .. import (
     EngineRecord,
     EngineStates,
     EngineStatus,
+    EtcdPort,
     RoutingSnapshot,
     RoutingTable,
     Settings,
@@ -176,7 +177,7 @@ class LeaseTtls:
     def __init__(
         self,
         settings: Settings,
-        connection: Connection,
+        connection: EtcdPort,
         selector: Mapping[str, str],
         every: float = TTL_EVERY,
     ) -> None:
