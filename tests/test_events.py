@@ -18,6 +18,7 @@ from discovery import (
     ConfigurationError,
     EngineConflictError,
     EngineEventReceiver,
+    EngineRole,
     EngineStatus,
     InvalidRecordError,
     ReceiverState,
@@ -36,6 +37,7 @@ from .helpers import (
     caps_kwargs,
     get_kv,
     make_endpoint,
+    make_layout,
     wait_for,
 )
 
@@ -135,7 +137,7 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
         megatron_to_dict(context_length=0),
         megatron_to_dict(prefix_caching_coordinator_policy="nearest"),
         {**megatron_to_dict(), "role": 7},
-        {**megatron_to_dict(), "role": "x" * 300},  # a role label must fit
+        {**megatron_to_dict(), "role": "x" * 300},  # an unknown role is kept, if a name
         {"coordinator_address": "tcp://x:1", "engine": {**caps, "role": ["decode"]}},
     ]
     for payload in rejected:
@@ -175,7 +177,8 @@ def test_a_later_ready_with_another_endpoint_updates_the_record_atomically(
         rank_zero.send("ready", {**megatron_to_dict("tcp://10.9.0.2:41000"), "role": "decode"})
         _, updated = changes.wait("rz-0", "updated")
         assert updated.endpoint.coordinator_address == "tcp://10.9.0.2:41000"
-        assert dict(updated.labels) == {"model": "m", "role": "decode"}
+        assert updated.record.role is EngineRole.DECODE
+        assert dict(updated.labels) == {"model": "m"}
         second = store.get(registration.key)
         assert second.lease == first.lease  # same lease: one put, never absent
         assert second.mod_revision == updated.revision
@@ -185,22 +188,28 @@ def test_a_later_ready_with_another_endpoint_updates_the_record_atomically(
         changes.stop()
 
 
-def test_a_role_from_the_ready_payload_becomes_the_role_label(
+def test_the_engines_role_wins_over_the_one_given_and_an_unknown_one_is_kept(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     with EngineEventReceiver(
-        engine_id="roled", labels={"role": "decode"}, **store.using()
+        engine_id="roled", role="decode", labels={"role": "x"}, **store.using()
     ) as receiver:
+        changes = WatchLog(**store.using())
         sender = RankZero(receiver.address)
         try:
             sender.send("ready", {**megatron_to_dict(), "role": "prefill"})
             registration = receiver.wait_registered(timeout=10)
+            assert registration.record.role is EngineRole.PREFILL
+            value = json.loads(store.get(registration.key).value)
+            assert value["role"] == "prefill" and value["labels"] == {"role": "x"}
+            sender.send("ready", {**megatron_to_dict(), "role": "encode"})  # a newer role
+            _, updated = changes.wait("roled", "updated")
         finally:
             sender.close()
-        assert dict(registration.record.labels) == {"role": "prefill"}
-        value = json.loads(store.get(registration.key).value)
-        assert "role" not in value and value["labels"] == {"role": "prefill"}
-    assert "the engine says role 'prefill'; it replaces the role label 'decode'" in caplog.text
+            changes.stop()
+        assert updated.record.role == "encode" and not isinstance(updated.record.role, EngineRole)
+        assert json.loads(store.get(registration.key).value)["role"] == "encode"
+    assert "the engine says role 'prefill'; it replaces the role 'decode' given" in caplog.text
 
 
 def test_a_refused_registration_fails_the_receiver(store: Store) -> None:
@@ -383,9 +392,58 @@ def test_each_ready_shape_registers(settings: Settings, shape: str) -> None:
             }
         else:
             assert caps == json.loads(json.dumps(payload["capabilities"]))
-        assert value["labels"] == ({"m": "x", "role": role} if role else {"m": "x"})
+        assert value["labels"] == {"m": "x"} and value.get("role") == role
         assert "role" not in caps and "version" not in value
         assert rx.health().ready == 1 and rx.health().rejected == 0
+
+
+LAYOUT = make_layout()
+ROLE_CASES = {
+    # the nested shape's role is the engine's (protocol.py engine_metadata, PR 6675): it wins
+    "nested prefill, none given": ("nested", "prefill", None, "prefill"),
+    "nested decode, prefill given": ("nested", "decode", "prefill", "decode"),
+    "nested aggregated, decode given": ("nested", "aggregated", "decode", None),
+    # Megatron's flat shape (InferenceEngineEndpoint.to_dict()) has no role: the one given
+    "flat, decode given": ("flat", None, "decode", "decode"),
+    "flat, none given": ("flat", None, None, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLE_CASES))
+def test_the_role_comes_from_either_ready_shape_or_the_one_given(
+    settings: Settings, case: str
+) -> None:
+    shape, said, given, stored = ROLE_CASES[case]
+    engine = StubEngine()
+    payload = (
+        megatron_nested_ready("tcp://10.0.0.9:7001", engine, said)
+        if shape == "nested"
+        else megatron_02f201a3_to_dict("tcp://10.0.0.9:7001", engine)
+    )
+    with EngineEventReceiver(
+        engine_id="role",
+        role=given,
+        kv_transfer_backend="nixl",
+        kv_layout=LAYOUT,
+        settings=settings,
+    ) as rx:
+        sender = RankZero(rx.address)
+        try:
+            sender.send("ready", payload)
+            registration = rx.wait_registered(timeout=10)
+        finally:
+            sender.close()
+        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+    assert value.get("role") == stored  # aggregated is the absent role
+    assert registration.record.role == (stored or "aggregated")
+    assert value["kv_transfer_backend"] == "nixl" and value["kv_layout"] == LAYOUT.to_dict()
+
+
+def test_a_receiver_refuses_a_role_or_backend_it_does_not_know() -> None:
+    with pytest.raises(InvalidRecordError, match="role 'encode' is not one of aggregated"):
+        EngineEventReceiver(role="encode", state_address=False)
+    with pytest.raises(InvalidRecordError, match="kv_transfer_backend 'ucx' is not one of nixl"):
+        EngineEventReceiver(kv_transfer_backend="ucx", state_address=False)
 
 
 def test_a_nested_ready_keeps_keys_it_does_not_know(settings: Settings) -> None:
