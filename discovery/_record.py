@@ -378,7 +378,7 @@ class EngineRecord:
         json="string",
         doc="`aggregated`, `prefill` or `decode` (Megatron's `--role`); absent means "
         "`aggregated`; a role this version does not know is kept and never paired",
-        column=Column("ROLE", lambda record: str(record.role)),
+        column=Column("ROLE", lambda record: str(record.role), lead=True),
     )
     kv_transfer_backend: KvTransferBackend | str | None = _stored(
         form=BACKEND,

@@ -28,6 +28,8 @@ from discovery import (
     undrain,
 )
 from discovery._events import READY_SHAPES, decode_frame, parse_ready
+from discovery.stand_in_engine import default_endpoint, nested_ready
+from discovery.stand_in_engine import main as stand_in_main
 
 from .conftest import Store
 from .helpers import (
@@ -444,6 +446,29 @@ def test_a_receiver_refuses_a_role_or_backend_it_does_not_know() -> None:
         EngineEventReceiver(role="encode", state_address=False)
     with pytest.raises(InvalidRecordError, match="kv_transfer_backend 'ucx' is not one of nixl"):
         EngineEventReceiver(kv_transfer_backend="ucx", state_address=False)
+
+
+def test_the_stand_in_plays_a_role_as_megatron_advertises_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    engine = StubEngine()
+    endpoint = default_endpoint(
+        "tcp://10.0.0.9:7001",
+        context_length=16384,
+        kv_cache_block_size=64,
+        total_kv_blocks=2048,
+        max_num_seqs=32,
+        bos_token_id=151643,
+    )
+    for role in ("aggregated", "prefill", "decode"):
+        ours = nested_ready(endpoint, role)
+        megatron = megatron_nested_ready("tcp://10.0.0.9:7001", engine, role)
+        assert list(ours["engine"].items()) == list(megatron["engine"].items())  # order too
+        assert ours == megatron
+    with pytest.raises(SystemExit):
+        stand_in_main(["--dynamo-parent-event-address", "tcp://x:1", "--role", "decode",
+                       "--ready-shape", "flat"])  # fmt: skip
+    assert "Megatron's flat ready shape carries no role" in capsys.readouterr().err
 
 
 def test_a_nested_ready_keeps_keys_it_does_not_know(settings: Settings) -> None:

@@ -122,8 +122,8 @@ def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
         in (out["table"])
     )
     assert out["jsonl"]["priority"] == 7
-    assert out["headers"] == ["STATUS", "VERSION", "PRIO"]
-    assert " ready p7 rev=5" in out["text"]
+    assert out["headers"] == ["STATUS", "VERSION", "ROLE", "PRIO"]
+    assert " ready aggregated p7 rev=5" in out["text"]
 
 
 def test_the_declared_fields_are_the_stored_metadata() -> None:
