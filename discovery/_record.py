@@ -307,6 +307,11 @@ def _version_cell(record: EngineRecord) -> str:
     return "-" if record.weight_version is None else f"v{record.weight_version}"
 
 
+def _role_cell(record: EngineRecord) -> str:
+    # "-" for the absent role (aggregated), as for an absent version: the others stand out.
+    return "-" if record.role is EngineRole.AGGREGATED else str(record.role)
+
+
 def _labels_cell(record: EngineRecord) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(record.labels.items())) or "-"
 
@@ -378,7 +383,7 @@ class EngineRecord:
         json="string",
         doc="`aggregated`, `prefill` or `decode` (Megatron's `--role`); absent means "
         "`aggregated`; a role this version does not know is kept and never paired",
-        column=Column("ROLE", lambda record: str(record.role), lead=True),
+        column=Column("ROLE", _role_cell, lead=True),
     )
     kv_transfer_backend: KvTransferBackend | str | None = _stored(
         form=BACKEND,

@@ -22,6 +22,7 @@ from discovery import (
     EngineStatus,
     InvalidRecordError,
     ReceiverState,
+    Registration,
     Settings,
     drain,
     register_engine,
@@ -75,6 +76,19 @@ def rank_zero(receiver: EngineEventReceiver):
     sender = RankZero(receiver.address)
     yield sender
     sender.close()
+
+
+def _registered_from(
+    receiver: EngineEventReceiver, payload: object, settings: Settings
+) -> tuple[Registration, dict]:
+    """Send ``payload`` as rank zero's ready message: the registration and the stored value."""
+    sender = RankZero(receiver.address)
+    try:
+        sender.send("ready", payload)
+        registration = receiver.wait_registered(timeout=10)
+    finally:
+        sender.close()
+    return registration, json.loads(get_kv(settings.endpoints, registration.key)["value"])
 
 
 def _frames_seen(receiver: EngineEventReceiver, count: int) -> None:
@@ -371,13 +385,7 @@ def test_each_ready_shape_registers(settings: Settings, shape: str) -> None:
     engine = StubEngine()
     payload = build(engine)
     with EngineEventReceiver(engine_id="shaped", settings=settings, labels={"m": "x"}) as rx:
-        sender = RankZero(rx.address)
-        try:
-            sender.send("ready", payload)
-            registration = rx.wait_registered(timeout=10)
-        finally:
-            sender.close()
-        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        _, value = _registered_from(rx, payload, settings)
         caps = value["capabilities"]
         assert value["coordinator_address"] == "tcp://10.0.0.9:7001"
         if "nested" in shape or "02f201a3" in shape:
@@ -429,13 +437,7 @@ def test_the_role_comes_from_either_ready_shape_or_the_one_given(
         kv_layout=LAYOUT,
         settings=settings,
     ) as rx:
-        sender = RankZero(rx.address)
-        try:
-            sender.send("ready", payload)
-            registration = rx.wait_registered(timeout=10)
-        finally:
-            sender.close()
-        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        registration, value = _registered_from(rx, payload, settings)
     assert value.get("role") == stored  # aggregated is the absent role
     assert registration.record.role == (stored or "aggregated")
     assert value["kv_transfer_backend"] == "nixl" and value["kv_layout"] == LAYOUT.to_dict()
@@ -476,13 +478,7 @@ def test_a_nested_ready_keeps_keys_it_does_not_know(settings: Settings) -> None:
     payload["engine"]["kv_dtype"] = "fp8"  # a newer Megatron's field
     payload["topology"] = {"tp": 8}
     with EngineEventReceiver(engine_id="newer", settings=settings) as rx:
-        sender = RankZero(rx.address)
-        try:
-            sender.send("ready", payload)
-            registration = rx.wait_registered(timeout=10)
-        finally:
-            sender.close()
-        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        _, value = _registered_from(rx, payload, settings)
         assert value["capabilities"]["kv_dtype"] == "fp8"
         assert value["topology"] == {"tp": 8}
 

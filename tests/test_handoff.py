@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from discovery import (
+    EndpointEvent,
     EngineRecord,
     EngineRole,
+    EventType,
     InvalidRecordError,
     KeySpace,
     KvLayout,
@@ -22,6 +24,7 @@ from discovery import (
     handoff_problem,
 )
 from discovery._codec import encode
+from discovery.cli._commands import format_event
 
 from .helpers import make_endpoint, make_layout
 
@@ -374,3 +377,16 @@ def test_a_layout_given_as_text() -> None:
     ]:
         with pytest.raises(InvalidRecordError, match=message):
             KvLayout.parse(bad)
+
+
+def test_the_cli_shows_a_role_other_than_aggregated() -> None:
+    keys = KeySpace()
+    shown = {}
+    for role in ("aggregated", "prefill", "decode"):
+        record = EngineRecord(role, make_endpoint(), role=role, weight_version=3)
+        event = EndpointEvent(EventType.ADDED, keys.key(role), 5, record)
+        shown[role] = format_event(event, "text")
+    assert " ready v3 rev=5" in shown["aggregated"]  # the absent role, as an absent version
+    assert " ready v3 prefill rev=5" in shown["prefill"]
+    assert " ready v3 decode rev=5" in shown["decode"]
+    assert EngineRecord.column_headers(lead=True) == ["STATUS", "VERSION", "ROLE"]

@@ -231,7 +231,7 @@ def test_the_role_comes_from_the_nested_ready_or_from_the_flag_and_the_pair_can_
     assert "a1 has role 'aggregated'" in (handoff_problem(records["a1"], records["d1"]) or "")
     listed = run_cli(settings, "list")
     rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:-1]}
-    assert (rows["p1"][3], rows["d1"][3], rows["a1"][3]) == ("prefill", "decode", "aggregated")
+    assert (rows["p1"][3], rows["d1"][3], rows["a1"][3]) == ("prefill", "decode", "-")
     for launcher in (prefill, decode, plain):
         launcher.process.send_signal(signal.SIGTERM)
         assert launcher.wait() == 0, launcher.output()

@@ -123,7 +123,7 @@ def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
     )
     assert out["jsonl"]["priority"] == 7
     assert out["headers"] == ["STATUS", "VERSION", "ROLE", "PRIO"]
-    assert " ready aggregated p7 rev=5" in out["text"]
+    assert " ready p7 rev=5" in out["text"]
 
 
 def test_the_declared_fields_are_the_stored_metadata() -> None:

@@ -158,7 +158,7 @@ def cells(row: Row) -> list[str]:
         row.engine_id,
         row.status,
         "-" if row.version is None else f"v{row.version}",
-        row.role,
+        "-" if row.role == EngineRole.AGGREGATED else row.role,  # as list shows it
         row.address,
         "-" if row.ttl is None else f"{row.ttl:.0f}s",
         "-" if row.load is None else str(row.load),
