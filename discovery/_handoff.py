@@ -213,7 +213,10 @@ def validate_layout(value: object) -> KvLayout | None:
 def read_unknown(value: str, what: str) -> UnknownValue:
     """``value`` kept as an ``UnknownValue``, if it is a short printable name."""
     if len(value) > _MAX_UNKNOWN or not value.isprintable():
-        raise InvalidRecordError(f"{what} {value[:_MAX_UNKNOWN]!r}... is not a name")
+        raise InvalidRecordError(
+            f"{what} {value[:_MAX_UNKNOWN]!r} is not a name: at most {_MAX_UNKNOWN} printable "
+            "characters"
+        )
     return UnknownValue(value)
 
 

@@ -1,7 +1,8 @@
 """Which prefill engine can hand a request's KV to which decode engine: Megatron's rules.
 
 Each row of the table cites the rule in Megatron-LM (main d98e8a64 unless named; the
-facts with their commits are in docs/routing.md, "Prefill/decode"). Pure: no etcd.
+facts with their commits are in docs/routing.md, "Prefill/decode"). Pure, but for the
+operators' rewrites (the ``store`` fixture: in memory, and real etcd).
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ from discovery import (
     EndpointEvent,
     EngineRecord,
     EngineRole,
+    EngineStatus,
     EventType,
     InvalidRecordError,
     KeySpace,
     KvLayout,
     KvTransferBackend,
+    drain,
     handoff_key,
     handoff_problem,
+    undrain,
 )
 from discovery._codec import encode
 from discovery.cli._commands import format_event
 
+from .conftest import Store
 from .helpers import make_endpoint, make_layout
 
 DISAGG = "megatron/core/inference/disaggregation"
@@ -390,3 +395,26 @@ def test_the_cli_shows_a_role_other_than_aggregated() -> None:
     assert " ready v3 prefill rev=5" in shown["prefill"]
     assert " ready v3 decode rev=5" in shown["decode"]
     assert EngineRecord.column_headers(lead=True) == ["STATUS", "VERSION", "ROLE"]
+
+
+def test_values_it_does_not_know_survive_an_operators_drain_and_undrain(store: Store) -> None:
+    newer = engine(
+        "newer",
+        stored={
+            "role": "encode",
+            "kv_transfer_backend": "mooncake",
+            "kv_layout": {"dtype": "float8_e4m3fn", "kv_lora_rank": 512},
+        },
+    )
+    key = store.settings.keyspace.key("newer")
+    lease = store.port.grant(30)
+    try:
+        assert store.port.create(key, encode(newer), lease).succeeded
+        assert drain("newer", **store.using()).status is EngineStatus.DRAINING
+        assert undrain("newer", **store.using()).role == "encode"
+        value = json.loads(store.get(key).value)
+        assert (value["role"], value["kv_transfer_backend"]) == ("encode", "mooncake")
+        assert value["kv_layout"]["dtype"] == "float8_e4m3fn"
+        assert value["kv_layout"]["kv_lora_rank"] == 512
+    finally:
+        store.port.revoke(lease)
