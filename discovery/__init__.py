@@ -26,6 +26,14 @@ from ._errors import (
 )
 from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
 from ._follower import EngineState, EngineStates, EngineStatesHealth
+from ._handoff import (
+    EngineRole,
+    HandoffKey,
+    KvLayout,
+    KvTransferBackend,
+    handoff_key,
+    handoff_problem,
+)
 from ._launch import launch
 from ._metrics import Metrics, MetricsHooks
 from ._operators import deregister, drain, pause, resume, undrain
@@ -84,6 +92,7 @@ __all__ = [
     "EngineEventReceiver",
     "EngineListing",
     "EngineRecord",
+    "EngineRole",
     "EngineState",
     "EngineStates",
     "EngineStatesHealth",
@@ -93,10 +102,13 @@ __all__ = [
     "EtcdUnavailableError",
     "EventType",
     "FirstPrefixBlockPolicy",
+    "HandoffKey",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
     "InvalidRecordError",
     "KeySpace",
+    "KvLayout",
+    "KvTransferBackend",
     "ListedEngine",
     "LoadBalancedPolicy",
     "LongestPrefixPolicy",
@@ -133,6 +145,8 @@ __all__ = [
     "deregister_on_signals",
     "drain",
     "drain_and_close",
+    "handoff_key",
+    "handoff_problem",
     "launch",
     "list_engines",
     "pause",

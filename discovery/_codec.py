@@ -232,7 +232,8 @@ def _fast_record(wire: Any, engine_id: str) -> EngineRecord:
     for set_field, load, absent, raw in zip(
         _stored_setters, _fast_loaders, _absent, _wire_metadata(wire), strict=False
     ):
-        set_field(record, absent if raw is None else load(raw))
+        # _NULL: a shared field the value leaves out (most records), without its cache lookup.
+        set_field(record, absent if raw is None or raw is _NULL else load(raw))
     _set_extra(record, _EMPTY)  # the Struct refuses unknown keys: there are none
     _set_extra_capabilities(record, _EMPTY)
     record._check_together()

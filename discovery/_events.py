@@ -12,10 +12,11 @@ What the receiver does with each kind, each outcome counted in ``health()`` and 
 
 - ``ready`` (outcome ``ready``): in either shape Megatron sends (``READY_SHAPES``). The
   first valid one registers the engine; a later one with another endpoint or role updates
-  the record atomically, on the same lease. ``role`` becomes the ``role`` label (it wins
-  over one given to the receiver, with a warning); keys this version does not know are
-  stored too. A payload of no known shape, or an invalid one, is ``rejected``: logged with
-  the shapes accepted, nothing written.
+  the record atomically, on the same lease. The payload's ``role`` (the nested shape
+  always has one; Megatron's flat shape none) becomes the record's ``role``: it wins over
+  the one given to the receiver, with a warning, and a role this version does not know is
+  kept. Keys this version does not know are stored too. A payload of no known shape, or
+  an invalid one, is ``rejected``: logged with the shapes accepted, nothing written.
 - ``stored`` / ``removed`` / ``cleared`` (outcome ``kv``): the engine's prefix cache
   (``_kvstate.py``), kept from the first frame on (before ready too) and relayed to routers
   (``_relay.py``); a payload without a list of 64-bit block hashes is ``malformed``.
@@ -62,6 +63,15 @@ from ._codec import encode
 from ._dispatch import Dispatcher, Listeners
 from ._endpoint import InferenceEngineEndpoint
 from ._errors import ClosedError, ConfigurationError, DiscoveryError, InvalidRecordError
+from ._handoff import (
+    EngineRole,
+    KvLayout,
+    KvTransferBackend,
+    read_role,
+    validate_backend,
+    validate_layout,
+    validate_role,
+)
 from ._kvstate import KV_KINDS, kv_change
 from ._metrics import NO_METRICS, MetricsHooks
 from ._record import (
@@ -123,7 +133,8 @@ class ReadyMessage:
     """What a ready payload says, in either of Megatron's shapes."""
 
     endpoint: InferenceEngineEndpoint
-    role: str | None
+    role: EngineRole | str | None
+    """The engine's role, if the payload has one (kept when this version does not know it)."""
     extra: Mapping[str, Any]
     """Top-level keys this version does not know (stored with the record)."""
     extra_capabilities: Mapping[str, Any]
@@ -158,8 +169,10 @@ def parse_ready(payload: object) -> ReadyMessage:
             f"ready payload fits no shape: accepted are {READY_SHAPES}; "
             f"its keys: {_brief(sorted(map(str, payload)))}"
         )
-    if role is not None and not isinstance(role, str):
-        raise InvalidRecordError(f"{shape}: role must be a string, not {_brief(role)}")
+    try:
+        role = None if role is None else read_role(role)
+    except InvalidRecordError as exc:
+        raise InvalidRecordError(f"{shape}: {exc}") from None
     endpoint, extra, extra_capabilities = endpoint_from_dict(payload, shape)
     return ReadyMessage(endpoint, role, extra, extra_capabilities, version)
 
@@ -246,7 +259,9 @@ class EngineEventReceiver:
     (``tcp://HOST:PORT``) to bind a fixed port, for engines started by another launcher;
     ``state_address`` where the state relay binds (``tcp://HOST:PORT``, ``*`` for a random
     port; True: the event host, a random port; False: no relay); ``stall_timeout``
-    seconds of silence that mark a ready engine ``stalled`` (None or 0: never). Thread-safe;
+    seconds of silence that mark a ready engine ``stalled`` (None or 0: never). ``role``
+    is the engine's when its ready payload has none (Megatron's nested shape always has
+    one, and it wins). Thread-safe;
     from asyncio use ``async with`` and ``await receiver.await_registered()``. The
     registration lives until ``close()``: tie that to the engine process, which the socket
     cannot tell about.
@@ -263,6 +278,9 @@ class EngineEventReceiver:
         ttl: float = 10.0,
         labels: Mapping[str, str] | None = None,
         weight_version: int | None = None,
+        role: EngineRole | str | None = None,
+        kv_transfer_backend: KvTransferBackend | str | None = None,
+        kv_layout: KvLayout | None = None,
         settings: Settings | None = None,
         connection: EtcdPort | None = None,
         replace: bool = False,
@@ -274,6 +292,11 @@ class EngineEventReceiver:
         self.engine_id = default_engine_id() if engine_id is None else validate_engine_id(engine_id)
         self._labels = dict(validate_labels(labels))
         self._weight_version = validate_weight_version(weight_version)
+        self._role = None if role is None else validate_role(role)
+        self._backend = (
+            None if kv_transfer_backend is None else validate_backend(kv_transfer_backend)
+        )
+        self._layout = validate_layout(kv_layout)
         self._ttl = check_ttl(ttl)
         host = host or "127.0.0.1"
         self._bind = parse_address(address, "event address") if address else f"tcp://{host}:*"
@@ -563,7 +586,10 @@ class EngineEventReceiver:
             record = EngineRecord(
                 self.engine_id,
                 message.endpoint,
-                self._labels_with(message.role),
+                self._labels,
+                role=self._role_from(message.role),
+                kv_transfer_backend=self._backend,
+                kv_layout=self._layout,
                 extra=message.extra,
                 extra_capabilities=message.extra_capabilities,
                 weight_version=self._weight_version,
@@ -605,18 +631,18 @@ class EngineEventReceiver:
         )
         log.log(level, "%s: %s%s", self.engine_id, message, quiet)
 
-    def _labels_with(self, role: str | None) -> dict[str, str]:
-        labels = self._labels
-        if role is None or labels.get("role") == role:
-            return labels
-        if "role" in labels:
+    def _role_from(self, said: EngineRole | str | None) -> EngineRole | str:
+        """The record's role: the engine's, else the one given, else aggregated."""
+        if said is None or said == self._role:
+            return self._role or EngineRole.AGGREGATED
+        if self._role is not None:
             log.warning(
-                "%s: the engine says role %r; it replaces the role label %r",
+                "%s: the engine says role %r; it replaces the role %r given",
                 self.engine_id,
-                role,
-                labels["role"],
+                str(said),
+                str(self._role),
             )
-        return {**labels, "role": role}
+        return said
 
     def _register(self, record: EngineRecord) -> None:
         try:
@@ -651,10 +677,10 @@ class EngineEventReceiver:
     def _update(self, registration: Registration, record: EngineRecord) -> None:
         """A later ready message: publish what changed (on the dispatcher's thread)."""
         current = registration.record
-        if current.endpoint == record.endpoint and dict(current.labels) == dict(record.labels):
+        if current.endpoint == record.endpoint and current.role == record.role:
             return
         try:
-            registration.update(endpoint=record.endpoint, labels=record.labels)
+            registration.update(endpoint=record.endpoint, role=record.role)
         except DiscoveryError as exc:
             # Kept by the registration and published as soon as etcd answers.
             log.warning("%s: publishing the new ready message is delayed: %s", self.engine_id, exc)

@@ -29,6 +29,16 @@ from typing import Any, NamedTuple, Protocol
 from ._endpoint import _FIELD_NAMES as CAPABILITY_FIELDS
 from ._endpoint import InferenceEngineEndpoint, _set
 from ._errors import InvalidRecordError
+from ._handoff import (
+    EngineRole,
+    KvLayout,
+    KvTransferBackend,
+    read_backend,
+    read_role,
+    validate_backend,
+    validate_layout,
+    validate_role,
+)
 
 __all__ = ["EndpointLike", "EngineRecord", "EngineStatus", "RecordView", "endpoint_parts"]
 
@@ -205,6 +215,29 @@ def _load_status(value: object) -> EngineStatus:
 STATUS = Form(str | None, _load_status, str, validate_status)
 
 
+def _load_role(value: object) -> EngineRole | str:
+    """A stored role: absent is aggregated; a role this version does not know is kept."""
+    return EngineRole.AGGREGATED if value is None else read_role(value)
+
+
+def _check_role(value: object) -> EngineRole | str:
+    return EngineRole.AGGREGATED if value is None else validate_role(value)
+
+
+ROLE = Form(str | None, _load_role, str, _check_role)
+
+
+def _optional(check: Callable[[object], Any]) -> Callable[[object], Any]:
+    """``check`` of a value that may be absent (None)."""
+    return lambda value: None if value is None else check(value)
+
+
+BACKEND = Form(str | None, _optional(read_backend), str, _optional(validate_backend))
+
+
+LAYOUT = Form(Any, _optional(KvLayout.from_dict), KvLayout.to_dict, validate_layout, shared=True)
+
+
 WEIGHT_VERSION = Form(int | None, validate_weight_version, int, validate_weight_version)
 
 
@@ -274,6 +307,11 @@ def _version_cell(record: EngineRecord) -> str:
     return "-" if record.weight_version is None else f"v{record.weight_version}"
 
 
+def _role_cell(record: EngineRecord) -> str:
+    # "-" for the absent role (aggregated), as for an absent version: the others stand out.
+    return "-" if record.role is EngineRole.AGGREGATED else str(record.role)
+
+
 def _labels_cell(record: EngineRecord) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(record.labels.items())) or "-"
 
@@ -285,6 +323,9 @@ def _labels_cell(record: EngineRecord) -> str:
 class EngineRecord:
     """One engine as stored in etcd: id, endpoint, labels, registration time, status, version.
 
+    ``role``, ``kv_transfer_backend`` and ``kv_layout`` say which engines it can hand a
+    request's KV to or take it from (``_handoff.py``); values of them this version does
+    not know are kept as read (``UnknownValue``).
     ``drain_deadline`` (UTC) is when a ``draining`` engine leaves; None means it drains
     until someone undrains or removes it. Only a draining record may carry one.
     ``extra`` and ``extra_capabilities`` hold keys of the stored value this version does
@@ -297,7 +338,7 @@ class EngineRecord:
         factory=lambda: _EMPTY,
         form=LABELS,
         json="object of strings",
-        doc="routing labels (`model`, `role`, ...); keys 1-63 of `A-Za-z0-9._/-`, values "
+        doc="routing labels (`model`, `zone`, ...); keys 1-63 of `A-Za-z0-9._/-`, values "
         "printable, at most 256 characters, at most 64 labels",
         column=Column("LABELS", _labels_cell),
     )
@@ -335,6 +376,27 @@ class EngineRecord:
         json="string",
         doc="where the engine's launcher relays its live state (cached blocks, load) over "
         "ZeroMQ, `tcp://HOST:PORT`; read by routers' `EngineStates`",
+    )
+    role: EngineRole | str = _stored(
+        EngineRole.AGGREGATED,
+        form=ROLE,
+        json="string",
+        doc="`aggregated`, `prefill` or `decode` (Megatron's `--role`); absent means "
+        "`aggregated`; a role this version does not know is kept and never paired",
+        column=Column("ROLE", _role_cell, lead=True),
+    )
+    kv_transfer_backend: KvTransferBackend | str | None = _stored(
+        form=BACKEND,
+        json="string",
+        doc="how KV moves between a prefill and a decode engine: `nixl` or `nccl` (the "
+        "launcher's choice in Megatron); absent: not declared, never paired",
+    )
+    kv_layout: KvLayout | None = _stored(
+        form=LAYOUT,
+        json="object",
+        doc="the KV layout a hand-off must match or can reshard, in Megatron's names: "
+        "`tp_size`, `pp_size`, `num_layers_global`, `num_kv_heads_global`, `head_dim`, "
+        "`dtype`, `num_ssm_layers_global`, `num_speculative_tokens` (docs/routing.md)",
     )
     extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     extra_capabilities: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
@@ -551,6 +613,11 @@ class RecordView:
     def weight_version(self) -> int | None:
         """The version of the weights the engine serves, or None when it set none."""
         return self.record.weight_version
+
+    @property
+    def role(self) -> EngineRole | str:
+        """The engine's role: aggregated, prefill or decode (or one this version does not know)."""
+        return self.record.role
 
 
 def write_field_table(path: str) -> None:

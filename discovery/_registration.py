@@ -58,6 +58,7 @@ from ._errors import (
     InvalidRecordError,
     RecordDecodeError,
 )
+from ._handoff import EngineRole, KvLayout, KvTransferBackend, validate_role
 from ._lease import LeaseKeeper
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import EtcdPort, KeyValue, LeaseGone, PutResult
@@ -296,8 +297,9 @@ class Registration:
         *,
         endpoint: InferenceEngineEndpoint | EndpointLike | None = None,
         labels: Mapping[str, str] | None = None,
+        role: EngineRole | str | None = None,
     ) -> None:
-        """Publish a changed endpoint and/or labels atomically under the same lease.
+        """Publish a changed endpoint, labels and/or role atomically under the same lease.
 
         ``endpoint`` may be Megatron-Core's own record (any object with its ``to_dict()``);
         keys of it this version does not know are stored too. Keys of the stored value
@@ -306,15 +308,20 @@ class Registration:
         answers again.
         """
         parts = None if endpoint is None else endpoint_parts(endpoint)
+        role = None if role is None else validate_role(role)
 
         def change(record: EngineRecord) -> EngineRecord:
+            record = replace(
+                record,
+                labels=record.labels if labels is None else labels,
+                role=record.role if role is None else role,
+            )
             if parts is None:
-                return replace(record, labels=record.labels if labels is None else labels)
+                return record
             new, extra, extra_capabilities = parts
             return replace(
                 record,
                 endpoint=new,
-                labels=record.labels if labels is None else labels,
                 extra={**record.extra, **extra},
                 extra_capabilities=extra_capabilities or record.extra_capabilities,
             )
@@ -795,6 +802,9 @@ def register_engine(
     labels: Mapping[str, str] | None = None,
     status: EngineStatus | str = EngineStatus.READY,
     weight_version: int | None = None,
+    role: EngineRole | str = EngineRole.AGGREGATED,
+    kv_transfer_backend: KvTransferBackend | str | None = None,
+    kv_layout: KvLayout | None = None,
     settings: Settings | None = None,
     connection: EtcdPort | None = None,
     session: Session | None = None,
@@ -808,7 +818,8 @@ def register_engine(
     Everything is validated before anything is written. ``status`` is what routers see
     (``starting`` until the engine takes requests, then ``set_status("ready")``);
     ``weight_version`` the version of the weights it serves (a non-negative integer, see
-    ``Registration.resume``).
+    ``Registration.resume``). ``role``, ``kv_transfer_backend`` and ``kv_layout`` say which
+    engines it can hand a request's KV to or take it from (see ``handoff_problem``).
     ``ttl`` (default 10 s) sizes the registration's own lease; with ``session`` the
     record goes on that shared lease instead (``ttl``, ``settings`` and ``connection``
     are the session's). Raises EngineConflictError when another live lease holds
@@ -827,6 +838,9 @@ def register_engine(
         labels=labels or {},
         status=validate_status(status),
         weight_version=validate_weight_version(weight_version),
+        role=role,
+        kv_transfer_backend=kv_transfer_backend,
+        kv_layout=kv_layout,
     )
     return register_record(
         record,

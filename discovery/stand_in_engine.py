@@ -13,8 +13,8 @@ use_bin_type=True)``:
 * ``"ready"`` first: ``InferenceEngineEndpoint.to_dict()`` (``flat``, as Megatron's
   ``engine_service.py`` sends it since its endpoint module), or ``{"coordinator_address",
   "engine": engine_metadata}`` (``nested``, as the dynamo integration's pull request sends
-  it: the capabilities and a ``role``, no policy), optionally with ``"version"``; or the
-  ``--ready`` JSON as given, valid or not;
+  it: the capabilities and the ``--role`` it plays, no policy), optionally with
+  ``"version"``; or the ``--ready`` JSON as given, valid or not;
 * the KV-cache events of ``DynamoHelper``: ``"stored"`` (``block_hashes`` with Megatron's
   SHA-256 block hash of the prompt's complete blocks, ``token_ids``, ``num_block_tokens``,
   ``parent_hash``), ``"removed"`` (LRU evictions beyond ``total_kv_blocks``) and
@@ -179,8 +179,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m discovery.stand_in_engine")
     parser.add_argument("--dynamo-parent-event-address", required=True)
     parser.add_argument("--ready", type=json.loads, help="ready payload as JSON, sent as is")
-    parser.add_argument("--ready-shape", choices=("flat", "nested"), default="flat")
-    parser.add_argument("--role", default="aggregated", help="the nested shape's role")
+    parser.add_argument(
+        "--ready-shape", choices=("flat", "nested"), help="default: nested with --role, else flat"
+    )
+    parser.add_argument(
+        "--role",
+        choices=("aggregated", "prefill", "decode"),
+        help="play this role: the nested shape carries it, as Megatron's engine service sends "
+        "it (its flat shape has none); nested without --role: aggregated, Megatron's default",
+    )
     parser.add_argument("--version", type=int, help="a version key in the ready payload")
     parser.add_argument("--kv-events", type=int, default=4, help="prompts served at start")
     parser.add_argument("--kv-rate", type=float, default=0.0, help="prompts served a second")
@@ -237,7 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Send the frames until SIGTERM/SIGINT; returns ``--exit-status``."""
     import zmq  # noqa: PLC0415 - the launch extra; the demo imports default_endpoint
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.role is not None and args.ready_shape == "flat":
+        parser.error("--role: Megatron's flat ready shape carries no role; use the nested one")
     # Blocked before ZeroMQ (and the request port) start their threads, so sigtimedwait()
     # gets them.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP | _TALK)
@@ -288,8 +298,8 @@ class _StandIn:
         self._rng = random.Random(args.seed)
         if args.ready is not None:
             self._ready = args.ready
-        elif args.ready_shape == "nested":
-            self._ready = nested_ready(endpoint, args.role)
+        elif args.ready_shape == "nested" or args.role is not None:
+            self._ready = nested_ready(endpoint, args.role or "aggregated")
         else:
             self._ready = endpoint
         if args.version is not None and isinstance(self._ready, dict):

@@ -23,6 +23,7 @@ from discovery import (
     EtcdPort,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
+    KvLayout,
     PrefixCachingCoordinatorPolicy,
     Settings,
 )
@@ -99,6 +100,20 @@ def make_endpoint(
     caps.update(overrides)
     address = f"tcp://10.1.{index // 250}.{index % 250}:5555"
     return InferenceEngineEndpoint(address, InferenceEngineCapabilities(**caps))
+
+
+def make_layout(**overrides: Any) -> KvLayout:
+    """A plausible engine's KV layout (a 32-layer GQA model on TP 2); ``overrides`` win."""
+    values: dict[str, Any] = {
+        "tp_size": 2,
+        "pp_size": 1,
+        "num_layers_global": 32,
+        "num_kv_heads_global": 8,
+        "head_dim": 128,
+        "dtype": "bfloat16",
+    }
+    values.update(overrides)
+    return KvLayout(**values)
 
 
 def cli_env(settings: Settings) -> dict[str, str]:

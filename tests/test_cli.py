@@ -22,7 +22,12 @@ from .helpers import Registrar, cli_env, get_kv, make_endpoint, run_cli, wait_fo
 def test_list_json_and_table(settings: Settings) -> None:
     with (
         register_engine(
-            make_endpoint(1), engine_id="a", ttl=30, labels={"role": "decode"}, settings=settings
+            make_endpoint(1),
+            engine_id="a",
+            ttl=30,
+            labels={"zone": "z1"},
+            role="decode",
+            settings=settings,
         ),
         register_engine(make_endpoint(2), engine_id="b", ttl=30, settings=settings),
     ):
@@ -31,17 +36,50 @@ def test_list_json_and_table(settings: Settings) -> None:
         listed = json.loads(result.stdout)
         engines = {e["engine_id"]: e for e in listed["engines"]}
         assert set(engines) == {"a", "b"}
-        assert engines["a"]["labels"] == {"role": "decode"}
+        assert engines["a"]["labels"] == {"zone": "z1"} and engines["a"]["role"] == "decode"
+        assert "role" not in engines["b"]  # aggregated: the absent role
         assert 0 < engines["a"]["ttl"] <= 30 and engines["a"]["lease"] > 0
         assert engines["b"]["capabilities"] == make_endpoint(2).capabilities.to_dict()
         assert listed["revision"] > 0
 
-        table = run_cli(settings, "list")
-        assert table.returncode == 0
-        lines = table.stdout.splitlines()
-        assert lines[0].split()[:4] == ["ENGINE", "STATUS", "VERSION", "ADDRESS"]
-        assert any(line.split()[:2] == ["a", "ready"] and "role=decode" in line for line in lines)
-        assert lines[-1] == "(2 engines)"
+        for fmt in ("table", "wide"):
+            table = run_cli(settings, "list", "-o", fmt)
+            assert table.returncode == 0
+            lines = table.stdout.splitlines()
+            assert lines[0].split()[:5] == ["ENGINE", "STATUS", "VERSION", "ROLE", "ADDRESS"]
+            rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+            assert rows["a"][1:4] == ["ready", "-", "decode"] and rows["a"][-1] == "zone=z1"
+            assert rows["b"][1:4] == ["ready", "-", "-"]  # aggregated: the absent role
+            assert lines[-1] == "(2 engines)"
+
+
+def test_register_with_a_role_and_its_hand_off_layout(settings: Settings) -> None:
+    layout = (
+        "tp_size=4,pp_size=1,num_layers_global=32,num_kv_heads_global=8,head_dim=128,dtype=bfloat16"
+    )
+    registrar = Registrar(
+        settings,
+        "p1",
+        ttl=30,
+        extra=["--role", "prefill", "--kv-transfer-backend", "nixl", "--kv-layout", layout],
+    )
+    key = settings.keyspace.key("p1")
+    try:
+        kv = wait_for(lambda: get_kv(settings.endpoints, key), message="registration")
+        stored = json.loads(kv["value"])
+        assert (stored["role"], stored["kv_transfer_backend"]) == ("prefill", "nixl")
+        assert stored["kv_layout"] == {
+            "tp_size": 4,
+            "pp_size": 1,
+            "num_layers_global": 32,
+            "num_kv_heads_global": 8,
+            "head_dim": 128,
+            "dtype": "bfloat16",
+            "num_ssm_layers_global": 0,
+            "num_speculative_tokens": 0,
+        }
+    finally:
+        registrar.stop()
 
 
 def test_register_from_endpoint_file_then_deregister(settings: Settings, tmp_path) -> None:
@@ -127,6 +165,18 @@ def test_bad_input_exits_2_with_a_clear_message(settings: Settings, tmp_path) ->
             "engine id",
         ),
         (["watch", "--selector", "novalue"], "key=value"),
+        (["register", "--role", "prefil"], "argument --role: invalid choice: 'prefil'"),
+        (["launch", "--kv-transfer-backend", "ucx"], "invalid choice: 'ucx'"),
+        (
+            [
+                "register",
+                "--kv-layout",
+                "tp_size=2,pp_size=1,num_layers_global=32,num_kv_heads_global=8,head_dim=128,"
+                "dtype=bf16",
+            ],
+            "argument --kv-layout: kv_layout dtype 'bf16' is not one of bfloat16",
+        ),
+        (["launch", "--kv-layout", "tp=2"], "'tp=2' must be KEY=VALUE with KEY one of tp_size"),
         (["list", "--log-level", "loud"], "'loud' is not a logging level"),
     ]
     (tmp_path / "e.json").write_text(json.dumps(make_endpoint().to_dict()))
@@ -166,8 +216,9 @@ def test_watch_jsonl_reports_a_sigkilled_registrar_within_ttl_plus_2s(settings: 
         assert set(added) == {
             "type", "engine_id", "key", "revision", "endpoint",
             "labels", "registered_at", "status", "drain_deadline", "weight_version",
-            "state_address",
+            "state_address", "role", "kv_transfer_backend", "kv_layout",
         }  # fmt: skip
+        assert (added["role"], added["kv_transfer_backend"]) == ("aggregated", None)
         assert (added["type"], added["engine_id"]) == ("added", "victim")
         assert added["endpoint"]["coordinator_address"] == "tcp://victim:5555"
         registrar.signal(signal.SIGKILL)
@@ -192,7 +243,7 @@ def test_watch_text_format(settings: Settings) -> None:
         try:
             line = watch.stdout.readline().split()
             assert line[:3] == ["added", "texty", make_endpoint(5).coordinator_address]
-            assert line[-1] == "k=v"
+            assert line[3] == "ready" and line[-1] == "k=v"  # aggregated: no role shown
             # SIGINT right away: the signal may land on any thread, it must still stop it.
             watch.send_signal(signal.SIGINT)
             assert watch.wait(10) == 0

@@ -30,6 +30,13 @@ INTENDED = {
     "DEFAULT_ROOT",
     "DEFAULT_NAMESPACE",
     "MAX_VALUE_BYTES",
+    # prefill/decode hand-off: what the record says, and which pairs can hand off
+    "EngineRole",
+    "KvTransferBackend",
+    "KvLayout",
+    "HandoffKey",
+    "handoff_key",
+    "handoff_problem",
     # settings and connection
     "Settings",
     "Metrics",

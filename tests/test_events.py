@@ -18,15 +18,19 @@ from discovery import (
     ConfigurationError,
     EngineConflictError,
     EngineEventReceiver,
+    EngineRole,
     EngineStatus,
     InvalidRecordError,
     ReceiverState,
+    Registration,
     Settings,
     drain,
     register_engine,
     undrain,
 )
 from discovery._events import READY_SHAPES, decode_frame, parse_ready
+from discovery.stand_in_engine import default_endpoint, nested_ready
+from discovery.stand_in_engine import main as stand_in_main
 
 from .conftest import Store
 from .helpers import (
@@ -36,6 +40,7 @@ from .helpers import (
     caps_kwargs,
     get_kv,
     make_endpoint,
+    make_layout,
     wait_for,
 )
 
@@ -71,6 +76,19 @@ def rank_zero(receiver: EngineEventReceiver):
     sender = RankZero(receiver.address)
     yield sender
     sender.close()
+
+
+def _registered_from(
+    receiver: EngineEventReceiver, payload: object, settings: Settings
+) -> tuple[Registration, dict]:
+    """Send ``payload`` as rank zero's ready message: the registration and the stored value."""
+    sender = RankZero(receiver.address)
+    try:
+        sender.send("ready", payload)
+        registration = receiver.wait_registered(timeout=10)
+    finally:
+        sender.close()
+    return registration, json.loads(get_kv(settings.endpoints, registration.key)["value"])
 
 
 def _frames_seen(receiver: EngineEventReceiver, count: int) -> None:
@@ -135,7 +153,7 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
         megatron_to_dict(context_length=0),
         megatron_to_dict(prefix_caching_coordinator_policy="nearest"),
         {**megatron_to_dict(), "role": 7},
-        {**megatron_to_dict(), "role": "x" * 300},  # a role label must fit
+        {**megatron_to_dict(), "role": "x" * 300},  # an unknown role is kept, if a name
         {"coordinator_address": "tcp://x:1", "engine": {**caps, "role": ["decode"]}},
     ]
     for payload in rejected:
@@ -175,7 +193,8 @@ def test_a_later_ready_with_another_endpoint_updates_the_record_atomically(
         rank_zero.send("ready", {**megatron_to_dict("tcp://10.9.0.2:41000"), "role": "decode"})
         _, updated = changes.wait("rz-0", "updated")
         assert updated.endpoint.coordinator_address == "tcp://10.9.0.2:41000"
-        assert dict(updated.labels) == {"model": "m", "role": "decode"}
+        assert updated.record.role is EngineRole.DECODE
+        assert dict(updated.labels) == {"model": "m"}
         second = store.get(registration.key)
         assert second.lease == first.lease  # same lease: one put, never absent
         assert second.mod_revision == updated.revision
@@ -185,22 +204,28 @@ def test_a_later_ready_with_another_endpoint_updates_the_record_atomically(
         changes.stop()
 
 
-def test_a_role_from_the_ready_payload_becomes_the_role_label(
+def test_the_engines_role_wins_over_the_one_given_and_an_unknown_one_is_kept(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     with EngineEventReceiver(
-        engine_id="roled", labels={"role": "decode"}, **store.using()
+        engine_id="roled", role="decode", labels={"role": "x"}, **store.using()
     ) as receiver:
+        changes = WatchLog(**store.using())
         sender = RankZero(receiver.address)
         try:
             sender.send("ready", {**megatron_to_dict(), "role": "prefill"})
             registration = receiver.wait_registered(timeout=10)
+            assert registration.record.role is EngineRole.PREFILL
+            value = json.loads(store.get(registration.key).value)
+            assert value["role"] == "prefill" and value["labels"] == {"role": "x"}
+            sender.send("ready", {**megatron_to_dict(), "role": "encode"})  # a newer role
+            _, updated = changes.wait("roled", "updated")
         finally:
             sender.close()
-        assert dict(registration.record.labels) == {"role": "prefill"}
-        value = json.loads(store.get(registration.key).value)
-        assert "role" not in value and value["labels"] == {"role": "prefill"}
-    assert "the engine says role 'prefill'; it replaces the role label 'decode'" in caplog.text
+            changes.stop()
+        assert updated.record.role == "encode" and not isinstance(updated.record.role, EngineRole)
+        assert json.loads(store.get(registration.key).value)["role"] == "encode"
+    assert "the engine says role 'prefill'; it replaces the role 'decode' given" in caplog.text
 
 
 def test_a_refused_registration_fails_the_receiver(store: Store) -> None:
@@ -360,13 +385,7 @@ def test_each_ready_shape_registers(settings: Settings, shape: str) -> None:
     engine = StubEngine()
     payload = build(engine)
     with EngineEventReceiver(engine_id="shaped", settings=settings, labels={"m": "x"}) as rx:
-        sender = RankZero(rx.address)
-        try:
-            sender.send("ready", payload)
-            registration = rx.wait_registered(timeout=10)
-        finally:
-            sender.close()
-        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        _, value = _registered_from(rx, payload, settings)
         caps = value["capabilities"]
         assert value["coordinator_address"] == "tcp://10.0.0.9:7001"
         if "nested" in shape or "02f201a3" in shape:
@@ -383,9 +402,75 @@ def test_each_ready_shape_registers(settings: Settings, shape: str) -> None:
             }
         else:
             assert caps == json.loads(json.dumps(payload["capabilities"]))
-        assert value["labels"] == ({"m": "x", "role": role} if role else {"m": "x"})
+        assert value["labels"] == {"m": "x"} and value.get("role") == role
         assert "role" not in caps and "version" not in value
         assert rx.health().ready == 1 and rx.health().rejected == 0
+
+
+LAYOUT = make_layout()
+ROLE_CASES = {
+    # the nested shape's role is the engine's (protocol.py engine_metadata, PR 6675): it wins
+    "nested prefill, none given": ("nested", "prefill", None, "prefill"),
+    "nested decode, prefill given": ("nested", "decode", "prefill", "decode"),
+    "nested aggregated, decode given": ("nested", "aggregated", "decode", None),
+    # Megatron's flat shape (InferenceEngineEndpoint.to_dict()) has no role: the one given
+    "flat, decode given": ("flat", None, "decode", "decode"),
+    "flat, none given": ("flat", None, None, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLE_CASES))
+def test_the_role_comes_from_either_ready_shape_or_the_one_given(
+    settings: Settings, case: str
+) -> None:
+    shape, said, given, stored = ROLE_CASES[case]
+    engine = StubEngine()
+    payload = (
+        megatron_nested_ready("tcp://10.0.0.9:7001", engine, said)
+        if shape == "nested"
+        else megatron_02f201a3_to_dict("tcp://10.0.0.9:7001", engine)
+    )
+    with EngineEventReceiver(
+        engine_id="role",
+        role=given,
+        kv_transfer_backend="nixl",
+        kv_layout=LAYOUT,
+        settings=settings,
+    ) as rx:
+        registration, value = _registered_from(rx, payload, settings)
+    assert value.get("role") == stored  # aggregated is the absent role
+    assert registration.record.role == (stored or "aggregated")
+    assert value["kv_transfer_backend"] == "nixl" and value["kv_layout"] == LAYOUT.to_dict()
+
+
+def test_a_receiver_refuses_a_role_or_backend_it_does_not_know() -> None:
+    with pytest.raises(InvalidRecordError, match="role 'encode' is not one of aggregated"):
+        EngineEventReceiver(role="encode", state_address=False)
+    with pytest.raises(InvalidRecordError, match="kv_transfer_backend 'ucx' is not one of nixl"):
+        EngineEventReceiver(kv_transfer_backend="ucx", state_address=False)
+
+
+def test_the_stand_in_plays_a_role_as_megatron_advertises_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    engine = StubEngine()
+    endpoint = default_endpoint(
+        "tcp://10.0.0.9:7001",
+        context_length=16384,
+        kv_cache_block_size=64,
+        total_kv_blocks=2048,
+        max_num_seqs=32,
+        bos_token_id=151643,
+    )
+    for role in ("aggregated", "prefill", "decode"):
+        ours = nested_ready(endpoint, role)
+        megatron = megatron_nested_ready("tcp://10.0.0.9:7001", engine, role)
+        assert list(ours["engine"].items()) == list(megatron["engine"].items())  # order too
+        assert ours == megatron
+    with pytest.raises(SystemExit):
+        stand_in_main(["--dynamo-parent-event-address", "tcp://x:1", "--role", "decode",
+                       "--ready-shape", "flat"])  # fmt: skip
+    assert "Megatron's flat ready shape carries no role" in capsys.readouterr().err
 
 
 def test_a_nested_ready_keeps_keys_it_does_not_know(settings: Settings) -> None:
@@ -393,13 +478,7 @@ def test_a_nested_ready_keeps_keys_it_does_not_know(settings: Settings) -> None:
     payload["engine"]["kv_dtype"] = "fp8"  # a newer Megatron's field
     payload["topology"] = {"tp": 8}
     with EngineEventReceiver(engine_id="newer", settings=settings) as rx:
-        sender = RankZero(rx.address)
-        try:
-            sender.send("ready", payload)
-            registration = rx.wait_registered(timeout=10)
-        finally:
-            sender.close()
-        value = json.loads(get_kv(settings.endpoints, registration.key)["value"])
+        _, value = _registered_from(rx, payload, settings)
         assert value["capabilities"]["kv_dtype"] == "fp8"
         assert value["topology"] == {"tp": 8}
 

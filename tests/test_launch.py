@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from discovery import EngineStatus, NoEngineAvailableError, Router, Settings, watch_table
+from discovery import (
+    EngineStatus,
+    NoEngineAvailableError,
+    Router,
+    Settings,
+    handoff_problem,
+    list_engines,
+    watch_table,
+)
 from discovery._launch import check_command
 from discovery.cli import build_parser
 from discovery.stand_in_engine import default_endpoint
@@ -191,6 +199,42 @@ def test_a_sigkilled_launcher_leaves_no_engine_and_the_lease_expires(launched, e
         removed_at, _ = launched.watch.wait(launcher.engine_id, "removed", timeout=10)
         assert removed_at - killed <= 2 + 2, removed_at - killed
         assert "stand-in engine: SIGTERM" in launcher.output()  # the guard's first signal
+
+
+LAYOUT = (
+    "tp_size=2,pp_size=1,num_layers_global=32,num_kv_heads_global=8,head_dim=128,dtype=bfloat16"
+)
+
+
+def test_the_role_comes_from_the_nested_ready_or_from_the_flag_and_the_pair_can_hand_off(
+    settings: Settings, launched
+) -> None:
+    handoff = ["--kv-transfer-backend", "nixl", "--kv-layout", LAYOUT]
+    # The nested shape names the engine's role (Megatron's engine service): it wins.
+    prefill = launched("p1", [*STAND_IN, "--role", "prefill"], "--role", "decode", *handoff)
+    # Megatron's flat shape names none: the flag's.
+    decode = launched("d1", STAND_IN, "--role", "decode", *handoff)
+    # A nested ready with Megatron's default role.
+    plain = launched("a1", [*STAND_IN, "--ready-shape", "nested"])
+    for engine_id in ("p1", "d1", "a1"):
+        launched.watch.wait(engine_id, "added", timeout=60)
+    records = {e.engine_id: e.record for e in list_engines(settings, lease_ttls=False).engines}
+    assert {k: str(r.role) for k, r in records.items()} == {
+        "p1": "prefill",
+        "d1": "decode",
+        "a1": "aggregated",
+    }
+    assert "the engine says role 'prefill'; it replaces the role 'decode' given" in (
+        prefill.output()
+    )
+    assert handoff_problem(records["p1"], records["d1"]) is None
+    assert "a1 has role 'aggregated'" in (handoff_problem(records["a1"], records["d1"]) or "")
+    listed = run_cli(settings, "list")
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:-1]}
+    assert (rows["p1"][3], rows["d1"][3], rows["a1"][3]) == ("prefill", "decode", "-")
+    for launcher in (prefill, decode, plain):
+        launcher.process.send_signal(signal.SIGTERM)
+        assert launcher.wait() == 0, launcher.output()
 
 
 def test_stop_timeout_escalates_to_sigkill(launched) -> None:

@@ -122,7 +122,7 @@ def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
         in (out["table"])
     )
     assert out["jsonl"]["priority"] == 7
-    assert out["headers"] == ["STATUS", "VERSION", "PRIO"]
+    assert out["headers"] == ["STATUS", "VERSION", "ROLE", "PRIO"]
     assert " ready p7 rev=5" in out["text"]
 
 

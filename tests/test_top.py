@@ -26,7 +26,7 @@ from .helpers import ChildLog, cli_env, make_endpoint, run_cli, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
-COLUMNS = ("ENGINE", "STATUS", "VERSION", "ADDRESS", "TTL", "LOAD", "CACHED", "LABELS")
+COLUMNS = ("ENGINE", "STATUS", "VERSION", "ROLE", "ADDRESS", "TTL", "LOAD", "CACHED", "LABELS")
 
 
 class Top:
@@ -106,9 +106,10 @@ def test_top_shows_an_engine_within_a_second_of_its_registration_and_drops_it_wi
     )
     try:
         shown = top.expect(r"top-1", timeout=1)
-        rows = wait_for(lambda: (r := top.rows()) and r["top-1"][4] != "-" and r, 5, "its TTL")
-        _, status, version, address, ttl, load, cached, labels = rows["top-1"]
+        rows = wait_for(lambda: (r := top.rows()) and r["top-1"][5] != "-" and r, 5, "its TTL")
+        _, status, version, role, address, ttl, load, cached, labels = rows["top-1"]
         assert (status, version, address) == ("ready", "-", reg.endpoint.coordinator_address)
+        assert role == "-"  # aggregated, the absent role
         assert (load, cached, labels) == ("-", "-", "model=m")  # no state relay
         assert 0 <= int(ttl.removesuffix("s")) <= 6
         title = top.frame()[0]
@@ -128,8 +129,12 @@ def test_top_filters_by_selector_sorts_and_cycles_the_sort_key(
         register_engine(make_endpoint(i), engine_id=name, labels=labels, settings=settings, **kw)
         for i, (name, labels, kw) in enumerate(
             (
-                ("a-draining", {"model": "a"}, {"status": "draining", "weight_version": 3}),
-                ("b-ready", {"model": "a"}, {"weight_version": 5}),
+                (
+                    "a-draining",
+                    {"model": "a"},
+                    {"status": "draining", "weight_version": 3, "role": "prefill"},
+                ),
+                ("b-ready", {"model": "a"}, {"weight_version": 5, "role": "decode"}),
                 ("c-other", {"model": "b"}, {}),
             )
         )
@@ -140,8 +145,13 @@ def test_top_filters_by_selector_sorts_and_cycles_the_sort_key(
         assert list(top.rows()) == ["b-ready", "a-draining"]  # ready before draining
         title = top.frame()[0]
         assert "[model=a]" in title and "sort: status" in title
-        top.child.send("s")  # the next key: version, newest first
-        wait_for(lambda: "sort: version" in top.frame()[0], 5, "the sort key to change")
+        top.child.send("s")  # the next key: role, prefill before decode
+        wait_for(lambda: "sort: role" in top.frame()[0], 5, "the sort key to change")
+        rows = top.rows()
+        assert list(rows) == ["a-draining", "b-ready"]
+        assert (rows["a-draining"][3], rows["b-ready"][3]) == ("prefill", "decode")
+        top.child.send("s")  # version, newest first
+        wait_for(lambda: "sort: version" in top.frame()[0], 5, "sort by version")
         assert list(top.rows()) == ["b-ready", "a-draining"]
         top.child.send("ssss")  # ttl, load, cached, address
         wait_for(lambda: "sort: address" in top.frame()[0], 5, "sort by address")
@@ -177,15 +187,15 @@ def test_top_and_list_wide_show_the_load_and_cached_blocks_an_engine_relays(
     try:
         top = top_factory(settings, "--sort", "cached")
         rows = wait_for(
-            lambda: (r := top.rows()) and "relayed" in r and r["relayed"][6].isdigit() and r,
+            lambda: (r := top.rows()) and "relayed" in r and r["relayed"][7].isdigit() and r,
             timeout=30,
             message="the relayed engine's cached blocks",
         )
         assert list(rows) == ["relayed", "plain"]  # most cached blocks first
-        _, status, _, _, _, load, cached, labels = rows["relayed"]
+        _, status, _, _, _, _, load, cached, labels = rows["relayed"]
         assert (status, load, labels) == ("ready", "0", "model=relay")
         assert int(cached) > 0
-        assert rows["plain"][5:7] == ["-", "-"]
+        assert rows["plain"][6:8] == ["-", "-"]
         assert top.quit() == 0
 
         wide = run_cli(settings, "list", "-o", "wide")

@@ -132,6 +132,9 @@ def test_events_added_updated_removed_with_last_known_record(store: Store) -> No
             "drain_deadline",
             "weight_version",
             "state_address",
+            "role",
+            "kv_transfer_backend",
+            "kv_layout",
         }
 
 

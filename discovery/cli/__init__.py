@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     top = commands.add_parser(
         "top",
         help="the live table in the terminal, redrawn in place (q quits, s sorts)",
-        description="Show the engines (status, weight version, address, TTL left, load and "
+        description="Show the engines (status, weight version, role, address, TTL left, load and "
         "cached blocks where relayed, labels) and how current the watcher is, redrawn as "
         "they change. Keys: q quits, s sorts by the next column. Without a terminal it "
         "prints one line per event, as `discovery watch` does.",

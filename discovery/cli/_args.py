@@ -16,8 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import (
+    EngineRole,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
+    InvalidRecordError,
+    KvLayout,
+    KvTransferBackend,
     Metrics,
     PrefixCachingCoordinatorPolicy,
     Settings,
@@ -182,6 +186,7 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--replace", action="store_true", help="take over a live engine's id")
     add_weight_version_flag(parser, "the version of the weights the engine serves")
+    add_handoff_flags(parser)
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -190,6 +195,50 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
         help="on the first SIGTERM/SIGINT mark the engine draining for S seconds, then "
         "revoke; a second signal revokes at once (default 0: revoke at once)",
     )
+
+
+def add_handoff_flags(parser: argparse.ArgumentParser) -> None:
+    """--role, --kv-transfer-backend and --kv-layout: what a prefill/decode hand-off needs."""
+    group = parser.add_argument_group(
+        "prefill/decode hand-off (which engines a router pairs; see docs/routing.md)"
+    )
+    group.add_argument(
+        "--role",
+        choices=[role.value for role in EngineRole],
+        help="the engine's role (default aggregated; under launch, a role the engine's ready "
+        "message names wins)",
+    )
+    group.add_argument(
+        "--kv-transfer-backend",
+        choices=[backend.value for backend in KvTransferBackend],
+        help="how the engine's KV moves to or from its partner: the backend its launcher "
+        "chose (Megatron's default is nixl)",
+    )
+    group.add_argument(
+        "--kv-layout",
+        type=_kv_layout,
+        metavar="KEY=VALUE,...",
+        help="the engine's KV layout: tp_size, pp_size, num_layers_global (attention layers), "
+        "num_kv_heads_global (GQA: query groups), head_dim, dtype (bfloat16, float16, "
+        "float32); optional num_ssm_layers_global, num_speculative_tokens (default 0)",
+    )
+
+
+def _kv_layout(text: str) -> KvLayout:
+    try:
+        return KvLayout.parse(text)
+    except InvalidRecordError as exc:  # argparse would print "invalid value" alone
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def handoff_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The hand-off keyword arguments of ``register_engine`` given on the command line."""
+    given = {
+        "role": args.role,
+        "kv_transfer_backend": args.kv_transfer_backend,
+        "kv_layout": args.kv_layout,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def add_weight_version_flag(parser: argparse.ArgumentParser, text: str) -> None:

@@ -38,10 +38,12 @@ from .. import (
 from ._args import (
     UsageError,
     endpoint_from_args,
+    handoff_from_args,
     metrics_from_args,
     parse_labels,
     settings_from_args,
 )
+from ._top import HEADERS as TOP_HEADERS
 from ._top import cells as top_cells
 from ._top import engine_rows, run_top
 
@@ -68,6 +70,7 @@ def cmd_register(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         labels=labels,
         weight_version=args.weight_version,
+        **handoff_from_args(args),
         settings=settings,
         replace=args.replace,
     )
@@ -121,6 +124,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         labels=parse_labels(args.label),
         weight_version=args.weight_version,
+        **handoff_from_args(args),
         settings=settings_from_args(args),
         replace=args.replace,
         metrics=metrics_from_args(args),
@@ -216,6 +220,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 # How long `list -o wide` waits for the engines' state relays to answer.
 WIDE_WAIT = 3.0
+LOAD = TOP_HEADERS.index("LOAD")  # top's LOAD and CACHED cells, side by side
 
 
 def _relayed(
@@ -237,7 +242,7 @@ def _relayed(
         snapshot = table.snapshot()
         for row in engine_rows(snapshot, {}, states):
             if row.engine_id in cells:
-                load, cached = top_cells(row)[5:7]
+                load, cached = top_cells(row)[LOAD : LOAD + 2]
                 relay = snapshot[row.engine_id].state_address or "-"
                 cells[row.engine_id] = (load, cached, relay)
     return cells

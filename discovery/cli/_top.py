@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .. import (
     Connection,
     EngineRecord,
+    EngineRole,
     EngineStates,
     EngineStatus,
     EtcdPort,
@@ -48,9 +49,10 @@ from ._args import UsageError
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-SORT_KEYS = ("engine", "status", "version", "ttl", "load", "cached", "address")
+SORT_KEYS = ("engine", "status", "role", "version", "ttl", "load", "cached", "address")
 """``--sort`` keys, in the order ``s`` cycles through them."""
 _STATUS_ORDER = {status.value: index for index, status in enumerate(EngineStatus)}
+_ROLE_ORDER = {role.value: index for index, role in enumerate(EngineRole)}
 _STATUS_STYLE = {
     "ready": "green",
     "starting": "cyan",
@@ -73,6 +75,7 @@ class Row:
     engine_id: str
     status: str
     version: int | None
+    role: str
     address: str
     ttl: float | None
     """Seconds left on its lease (None: not read yet, or no lease)."""
@@ -109,6 +112,7 @@ def engine_rows(
                 engine_id=engine_id,
                 status=record.status.value,
                 version=record.weight_version,
+                role=str(record.role),
                 address=record.endpoint.coordinator_address,
                 ttl=ttls.get(engine_id),
                 labels=record.labels,
@@ -129,6 +133,7 @@ def _missing_last(value: float | None, descending: bool = False) -> tuple[bool, 
 _SORTS: dict[str, Callable[[Row], Any]] = {
     "engine": lambda r: r.engine_id,
     "status": lambda r: (_STATUS_ORDER.get(r.status, len(_STATUS_ORDER)), r.engine_id),
+    "role": lambda r: (_ROLE_ORDER.get(r.role, len(_ROLE_ORDER)), r.role, r.engine_id),
     "version": lambda r: (_missing_last(r.version, descending=True), r.engine_id),
     "ttl": lambda r: (_missing_last(r.ttl), r.engine_id),
     "load": lambda r: (_missing_last(r.load, descending=True), r.engine_id),
@@ -140,18 +145,20 @@ _SORTS: dict[str, Callable[[Row], Any]] = {
 def sort_rows(rows: Sequence[Row], key: str) -> list[Row]:
     """``rows`` sorted by ``key`` (one of ``SORT_KEYS``).
 
-    By engine id, status, version (newest first), TTL left (soonest first), load and cached
-    blocks (most first), or address; ties by engine id.
+    By engine id, status, role (aggregated, prefill, decode, then roles this version does
+    not know), version (newest first), TTL left (soonest first), load and cached blocks
+    (most first), or address; ties by engine id.
     """
     return sorted(rows, key=_SORTS[key])
 
 
 def cells(row: Row) -> list[str]:
-    """The row's cells: ENGINE STATUS VERSION ADDRESS TTL LOAD CACHED LABELS."""
+    """The row's cells: ENGINE STATUS VERSION ROLE ADDRESS TTL LOAD CACHED LABELS."""
     return [
         row.engine_id,
         row.status,
         "-" if row.version is None else f"v{row.version}",
+        "-" if row.role == EngineRole.AGGREGATED else row.role,  # as list shows it
         row.address,
         "-" if row.ttl is None else f"{row.ttl:.0f}s",
         "-" if row.load is None else str(row.load),
@@ -160,7 +167,7 @@ def cells(row: Row) -> list[str]:
     ]
 
 
-HEADERS = ("ENGINE", "STATUS", "VERSION", "ADDRESS", "TTL", "LOAD", "CACHED", "LABELS")
+HEADERS = ("ENGINE", "STATUS", "VERSION", "ROLE", "ADDRESS", "TTL", "LOAD", "CACHED", "LABELS")
 
 
 def _count(value: int | None) -> str:
