@@ -38,7 +38,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from .stand_in_wire import Headers, WireError, pack, unpack
+from .stand_in_wire import Headers, WireError, pack, read, unpack
 
 if TYPE_CHECKING:
     import zmq
@@ -397,11 +397,10 @@ class InferenceClient:
                 frame = self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                header, fields = unpack(frame)
-            except WireError as exc:
-                log.warning("dropped a message from the coordinator: %s", exc)
+            message = read(frame, log)
+            if message is None:
                 continue
+            header, fields = message
             if header is Headers.ENGINE_REPLY and len(fields) == 2 and isinstance(fields[1], dict):
                 self._on_reply(fields[0], fields[1])
             elif header is Headers.ENGINE_REPLY_PARTIAL and len(fields) == 2:

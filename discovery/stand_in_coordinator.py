@@ -69,9 +69,17 @@ from typing import Any
 
 from ._blockhash import block_hashes
 from ._relay import bind_socket
-from .stand_in_wire import Headers, SamplingParams, Submit, SubmitWithKv, WireError, pack, unpack
+from .stand_in_wire import Headers, SamplingParams, Submit, SubmitWithKv, WireError, pack, read
 
-__all__ = ["BOS", "EOD", "CoordinatorState", "EngineState", "StandInCoordinator", "detokenize"]
+__all__ = [
+    "BOS",
+    "EOD",
+    "CoordinatorState",
+    "MegatronEngineState",
+    "StandInCoordinator",
+    "detokenize",
+    "tokenize",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +105,7 @@ class CoordinatorState(enum.Enum):
     STOPPING = "stopping"
 
 
-class EngineState(enum.Enum):
+class MegatronEngineState(enum.Enum):
     """The engine's settled states (one rank: Megatron's transitional states pass at once)."""
 
     RUNNING = "running"
@@ -121,10 +129,10 @@ _TRANSITIONS: dict[Headers, tuple[frozenset[CoordinatorState], CoordinatorState 
 }
 # The engine's side of the same signals (dynamic_engine.py schedule_requests).
 _ENGINE_SIGNALS = {
-    Headers.PAUSE: (EngineState.RUNNING, EngineState.PAUSED),
-    Headers.UNPAUSE: (EngineState.PAUSED, EngineState.RUNNING),
-    Headers.SUSPEND: (EngineState.PAUSED, EngineState.SUSPENDED),
-    Headers.RESUME: (EngineState.SUSPENDED, EngineState.PAUSED),
+    Headers.PAUSE: (MegatronEngineState.RUNNING, MegatronEngineState.PAUSED),
+    Headers.UNPAUSE: (MegatronEngineState.PAUSED, MegatronEngineState.RUNNING),
+    Headers.SUSPEND: (MegatronEngineState.PAUSED, MegatronEngineState.SUSPENDED),
+    Headers.RESUME: (MegatronEngineState.SUSPENDED, MegatronEngineState.PAUSED),
 }
 
 
@@ -162,7 +170,7 @@ def _image_digest(multi_modal_data: Any) -> int | None:
     return zlib.crc32(msgpack.packb(multi_modal_data["image"], use_bin_type=True))
 
 
-def transfer_block_count(kv_meta: Any, src_block_ids: Sequence[int]) -> int:
+def _transfer_block_count(kv_meta: Any, src_block_ids: Sequence[int]) -> int:
     """Megatron's ``transfer_block_count``: the blocks a hand-off's metadata names."""
     if isinstance(kv_meta, dict) and "pp_metas" in kv_meta:
         entries = kv_meta["pp_metas"]
@@ -286,7 +294,7 @@ class _Engine:
         prefix_caching: bool,
         transfer_meta: dict[str, Any],
     ) -> None:
-        self.state = EngineState.RUNNING
+        self.state = MegatronEngineState.RUNNING
         self.epoch: Any = None
         self.requests: dict[int, _Request] = {}
         self.pinned: dict[int, list[int]] = {}
@@ -355,7 +363,7 @@ class _Engine:
         if params.return_log_probs or params.top_n_logprobs > 0:
             raise _Refused("Decode-only handoff does not yet transfer log probabilities")
         try:
-            blocks = transfer_block_count(handoff.kv_meta, handoff.src_block_ids)
+            blocks = _transfer_block_count(handoff.kv_meta, handoff.src_block_ids)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise _Refused(f"unreadable kv_meta ({exc})") from exc
         expected = math.ceil(len(prompt) / self._block_size)
@@ -432,7 +440,7 @@ class _Engine:
             for request in self.requests.values():
                 request.stamp(self.epoch)
         elif header is Headers.STOP:
-            self.state = EngineState.STOPPED
+            self.state = MegatronEngineState.STOPPED
             self.requests.clear()  # their futures are cancelled: never answered
         else:
             before, after = _ENGINE_SIGNALS[header]
@@ -441,7 +449,7 @@ class _Engine:
 
     def step_due(self, now: float) -> float | None:
         """When the step under way ends (one starts now if there is work), or None."""
-        if self.state is not EngineState.RUNNING or not self.requests:
+        if self.state is not MegatronEngineState.RUNNING or not self.requests:
             self._step_started = None
             return None
         if self._step_started is None:
@@ -654,13 +662,19 @@ class StandInCoordinator:
     @property
     def state(self) -> CoordinatorState:
         """The coordinator's state (its transition table's)."""
-        return self._state
+        with self._lock:
+            return self._state
 
     @property
-    def engine_state(self) -> EngineState:
+    def engine_state(self) -> MegatronEngineState:
         """The engine's state (``STOPPED`` once ``STOP`` ended it)."""
         with self._lock:
-            return EngineState.STOPPED if self._engine is None else self._engine.state
+            return MegatronEngineState.STOPPED if self._engine is None else self._engine.state
+
+    def requests_held(self) -> list[int]:
+        """The ids (the coordinator's) of the requests the engine holds, waiting or running."""
+        with self._lock:
+            return [] if self._engine is None else list(self._engine.requests)
 
     def pinned_handoffs(self) -> dict[int, list[int]]:
         """Hand-offs whose blocks are pinned: request id -> block ids."""
@@ -755,11 +769,10 @@ class StandInCoordinator:
         if frame == b"":
             log.info("ignored a data-parallel rank's registration: the stand-in has its engine")
             return
-        try:
-            header, fields = unpack(frame)
-        except WireError as exc:
-            log.warning("dropped a message: %s", exc)
+        message = read(frame, log)
+        if message is None:
             return
+        header, fields = message
         handler = self._handlers.get(header)
         if handler is None:
             log.warning("dropped %s: Megatron's coordinator takes it from no client", header.name)
@@ -806,8 +819,12 @@ class StandInCoordinator:
         self._clients.add(identity)
         self._send(identity, [Headers.CONNECT_ACK])
 
-    def _route(self, identity: bytes, client_request_id: int) -> tuple[_Engine, int] | None:
+    def _route(
+        self, identity: bytes, client_request_id: int, prompt: Any
+    ) -> tuple[_Engine, int] | None:
         """Our id for a client's request and the engine to take it; None if it has none."""
+        if not isinstance(prompt, (str, list)):
+            raise _Refused(f"specialize for <{type(prompt).__name__}> prompt")
         if self._engine is None:  # STOP ended it: Megatron's coordinator ends too
             log.error("Coordinator: no reachable engines for request; the coordinator ends")
             self._serving = False
@@ -820,21 +837,14 @@ class StandInCoordinator:
 
     def _on_submit(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         submit = Submit.parse(fields)
-        if not isinstance(submit.prompt, (str, list)):
-            raise _Refused(f"specialize for <{type(submit.prompt).__name__}> prompt")
-        routed = self._route(identity, submit.request_id)
-        if routed is not None:
+        if routed := self._route(identity, submit.request_id, submit.prompt):
             engine, rid = routed
             engine.submit(rid, submit.prompt, submit.sampling_params, submit.multi_modal_data)
 
     def _on_submit_with_kv(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         handoff = SubmitWithKv.parse(fields)
-        if not isinstance(handoff.prompt, (str, list)):
-            raise _Refused(f"unsupported prompt type {type(handoff.prompt).__name__}")
-        routed = self._route(identity, handoff.request_id)
-        if routed is not None:
-            engine, rid = routed
-            engine.submit_with_kv(rid, handoff)
+        if routed := self._route(identity, handoff.request_id, handoff.prompt):
+            routed[0].submit_with_kv(routed[1], handoff)
 
     def _on_release(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         rid = _int(fields, "RELEASE_KV")

@@ -20,6 +20,7 @@ Test support (nothing in the library imports it), read from Megatron-LM main at 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "SubmitWithKv",
     "WireError",
     "pack",
+    "read",
     "unpack",
 ]
 
@@ -89,6 +91,15 @@ def unpack(frame: bytes) -> tuple[Headers, list[Any]]:
         return Headers(header), message[1:]
     except ValueError:
         raise WireError(f"unknown header {header} (Megatron's headers.py has none)") from None
+
+
+def read(frame: bytes, logger: logging.Logger) -> tuple[Headers, list[Any]] | None:
+    """``unpack(frame)``, or None with a warning on ``logger`` saying what was dropped."""
+    try:
+        return unpack(frame)
+    except WireError as exc:
+        logger.warning("dropped a message: %s", exc)
+        return None
 
 
 def _request_id(value: Any, message: str) -> int:
