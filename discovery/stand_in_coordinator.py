@@ -33,7 +33,8 @@ The engine's replies are deterministic. The stand-in's tokenizer maps a text pro
 characters to their code points (``add_BOS`` puts BOS 1 first; EOD is 0), and generated
 token ``i`` (from 0) of a prompt is ``32 + (sum(prompt tokens) + 31 * seed + images + 7 * i)
 % 95`` (printable ASCII, so ``generated_text`` reads), ``images`` being the CRC-32 of the
-request's ``multi_modal_data["image"]`` packed with msgpack (0 without images). Each engine
+request's ``multi_modal_data["image"]`` packed with msgpack (0 without images;
+``generated_tokens()`` gives them, for a test to tell engines apart by seed). Each engine
 step takes ``token_delay`` seconds and gives every running request one token; a request ends
 at ``num_tokens_to_generate`` (by default the context length minus the prompt, Megatron's
 rule) or on its ``termination_id``. With ``return_log_probs`` each token's log probability
@@ -78,6 +79,7 @@ __all__ = [
     "MegatronEngineState",
     "StandInCoordinator",
     "detokenize",
+    "generated_tokens",
     "tokenize",
 ]
 
@@ -150,6 +152,27 @@ def detokenize(tokens: Sequence[int], remove_eod: bool = True) -> str:
     while remove_eod and end and tokens[end - 1] == EOD:
         end -= 1
     return "".join(chr(t) if 0 <= t < 0x110000 else "\ufffd" for t in tokens[:end])
+
+
+def generated_tokens(
+    prompt_tokens: Sequence[int],
+    count: int,
+    *,
+    seed: int = 0,
+    multi_modal_data: Any = None,
+    start: int = 0,
+) -> list[int]:
+    """The tokens ``start`` to ``start + count`` a stand-in engine of ``seed`` generates."""
+    base = _base(prompt_tokens, seed, _image_digest(multi_modal_data))
+    return [_token(base, i) for i in range(start, start + count)]
+
+
+def _base(prompt_tokens: Sequence[int], seed: int, images: int | None) -> int:
+    return sum(prompt_tokens) + 31 * seed + (images or 0)
+
+
+def _token(base: int, position: int) -> int:
+    return _PRINTABLE + (base + 7 * position) % 95
 
 
 def _log_prob(token: int) -> float:
@@ -376,7 +399,7 @@ class _Engine:
     def _request(
         self, rid: int, params: SamplingParams, tokens: list[int], images: int | None
     ) -> _Request:
-        base = sum(tokens) + 31 * self._seed + (images or 0)
+        base = _base(tokens, self._seed, images)
         return _Request(rid, params, tokens, base=base, block_size=self._block_size)
 
     def _add(self, request: _Request) -> bool:
@@ -486,7 +509,7 @@ class _Engine:
         limit = params.num_tokens_to_generate or 0
         if len(request.generated) >= limit:
             return True
-        token = _PRINTABLE + (request.base + 7 * len(request.generated)) % 95
+        token = _token(request.base, len(request.generated))
         self._append(request, token)
         return token == params.termination_id or len(request.generated) >= limit
 

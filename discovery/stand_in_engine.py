@@ -227,16 +227,19 @@ def _coordinator(args: argparse.Namespace) -> StandInCoordinator | None:
         stream=sys.stderr, level=logging.INFO, format="stand-in engine: %(message)s"
     )
     caps = default_endpoint()["capabilities"]
-    return StandInCoordinator(
-        args.coordinator_host,
-        args.coordinator_port,
-        seed=args.seed,
-        token_delay=args.token_delay,
-        context_length=caps["context_length"],
-        block_size=caps["kv_cache_block_size"],
-        prefix_caching=caps["enable_prefix_caching"],
-        on_stop=lambda: os.kill(os.getpid(), signal.SIGTERM),  # the engine stopped: exit
-    )
+    try:
+        return StandInCoordinator(
+            args.coordinator_host,
+            args.coordinator_port,
+            seed=args.seed,
+            token_delay=args.token_delay,
+            context_length=caps["context_length"],
+            block_size=caps["kv_cache_block_size"],
+            prefix_caching=caps["enable_prefix_caching"],
+            on_stop=lambda: os.kill(os.getpid(), signal.SIGTERM),  # the engine stopped: exit
+        )
+    except ValueError as exc:  # a bad --token-delay, a port in use (ConfigurationError)
+        raise SystemExit(f"stand-in engine: {exc}") from exc
 
 
 class _RequestPort:

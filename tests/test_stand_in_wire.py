@@ -30,7 +30,12 @@ import zmq
 
 from discovery import Settings, block_hashes
 from discovery.stand_in_client import InferenceClient, serialize_multimodal_data
-from discovery.stand_in_coordinator import CoordinatorState, MegatronEngineState, StandInCoordinator
+from discovery.stand_in_coordinator import (
+    CoordinatorState,
+    MegatronEngineState,
+    StandInCoordinator,
+    generated_tokens,
+)
 from discovery.stand_in_wire import (
     Headers,
     SamplingParams,
@@ -508,6 +513,8 @@ def test_the_engine_seed_shows_which_engine_answered(coordinator) -> None:
             )
             assert one["generated_tokens"] == [38, 45, 52, 59]
             assert two["generated_tokens"] == [69, 76, 83, 90] == tokens([1, 2, 3], 4, seed=1)
+            # what tests of a fleet use to tell the engines apart
+            assert generated_tokens([1, 2, 3], 2, seed=1, start=2) == [83, 90]
 
     run(body())
 
@@ -527,6 +534,7 @@ def test_the_four_and_five_field_submits_as_megatron_builds_them(coordinator, ra
     assert reply["generated_tokens"] == tokens([1, 2, 3], 2, images=digest)  # it saw the image
     assert reply["enable_prefix_caching"] is False and reply["precomputed_block_hashes"] == []
     assert cached == [[1, 2, 3]]  # an image-bearing request is never prefix-cached
+    assert reply["generated_tokens"] == generated_tokens([1, 2, 3], 2, multi_modal_data=image)
 
 
 def test_a_served_prompt_is_cached_with_megatrons_block_hashes(coordinator) -> None:
@@ -1001,10 +1009,32 @@ def test_stop_ends_the_stand_in_with_its_exit_status(stand_in) -> None:
 
 
 @pytest.mark.external
-def test_serve_port_and_coordinator_port_are_one_or_the_other(stand_in) -> None:
-    engine = stand_in("--coordinator-port", "0", "--serve-port", "0")
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--serve-port", "0"], "--serve-port and --coordinator-port"),
+        (["--token-delay", "-1"], "token_delay must be >= 0"),
+    ],
+)
+def test_bad_coordinator_flags_are_refused_by_name(stand_in, flags, problem) -> None:
+    engine = stand_in("--coordinator-port", "0", *flags)
     assert engine.process.wait(30) != 0
-    assert "--serve-port and --coordinator-port" in engine.stop()
+    assert problem in engine.stop()
+
+
+@pytest.mark.external
+def test_a_coordinator_port_in_use_is_refused(stand_in) -> None:
+    context = zmq.Context()
+    taken = context.socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        engine = stand_in("--coordinator-port", str(port))
+        assert engine.process.wait(30) != 0
+        assert "the port is in use" in engine.stop()
+    finally:
+        taken.close()
+        context.term()
 
 
 @pytest.mark.external
