@@ -374,8 +374,11 @@ class _Engine:
         self, prompt: Any, params: SamplingParams, resume: list[int], handoff: SubmitWithKv
     ) -> None:
         """What ``add_request_with_kv_handoff`` raises on (inference_state_handoff.py)."""
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, list):
             raise _Refused(f"a hand-off's prompt must be token ids, got {prompt!r:.60}")
+        reason = _refusal(prompt, params)
+        if reason is not None:  # asserted at admission, in the engine's loop: it would die
+            raise _Refused(reason)
         if not self._prefix_caching:
             raise _Refused("a hand-off needs prefix caching on the decode engine")
         if len(resume) != 1:
@@ -577,6 +580,10 @@ def _refusal(prompt: str | list[Any], params: SamplingParams) -> str | None:
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
         return "the prompt is not a list of token ids"
+    for name in ("num_tokens_to_generate", "num_tokens_total", "termination_id", "top_n_logprobs"):
+        value = getattr(params, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{name} is not an integer: {value!r:.40}"
     if params.num_tokens_to_generate is not None and params.num_tokens_total is not None:
         return "num_tokens_to_generate and num_tokens_total are both set"
     if params.top_n_logprobs > 0 and not params.return_log_probs:
@@ -808,6 +815,8 @@ class StandInCoordinator:
                 handler(identity, fields, header)
             except (_Refused, WireError) as exc:
                 log.warning("dropped %s: %s", header.name, exc)
+            except Exception:  # what else Megatron would die of: the stand-in stays up
+                log.exception("dropped %s: it raised", header.name)
             self._flush()
 
     def _send(self, identity: bytes, message: list[Any]) -> None:

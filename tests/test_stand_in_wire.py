@@ -571,6 +571,8 @@ def test_what_megatron_refuses_is_answered_failed(coordinator) -> None:
             assert placeholder["prompt_length"] == 0 and placeholder["block_size_tokens"] is None
             no_log_probs = await client.add_request([1], {"top_n_logprobs": 2})
             assert no_log_probs["status"] == "FAILED"
+            not_a_count = await client.add_request([1], {"num_tokens_to_generate": "many"})
+            assert not_a_count["status"] == "FAILED" and kinds(not_a_count) == ["FAIL"]
             clamped = await client.add_request([1, 2, 3], {"num_tokens_to_generate": 100})
             assert clamped["generated_length"] == 5  # context 8 - prompt 3
             by_default = await client.add_request([1, 2, 3], {})
@@ -732,8 +734,10 @@ def test_a_hand_off_from_prefill_to_decode_and_its_release(coordinator) -> None:
         ({"engine": "x", "resume_tokens": [40, 41]}, [1, 2], {}),  # MTP proposals: none here
         ({"engine": "x", "resume_tokens": [40]}, [1, 2], {"return_log_probs": True}),
         ({"pp_metas": [{"tp_metas": [{}], "block_ids": [1]}], "resume_tokens": [40]}, [1, 2], {}),
+        ({"resume_tokens": [40]}, [1, 2], {"num_tokens_to_generate": 1, "num_tokens_total": 9}),
+        ({"resume_tokens": [40]}, [1, 2], {"num_tokens_to_generate": "many"}),
     ],
-    ids=["blocks", "no-resume", "two-resume", "log-probs", "pp-blocks"],
+    ids=["blocks", "no-resume", "two-resume", "log-probs", "pp-blocks", "counts", "bad-count"],
 )
 def test_a_hand_off_megatron_refuses_is_dropped(
     coordinator, kv_meta, blocks, params, caplog
@@ -754,6 +758,7 @@ def test_a_hand_off_megatron_refuses_is_dropped(
     with caplog.at_level(logging.WARNING, logger="discovery.stand_in_coordinator"):
         run(body())
     assert "dropped SUBMIT_REQUEST_WITH_KV" in caplog.text
+    assert co.requests_held() == []
 
 
 def _added_and_scheduled(reply: dict) -> tuple[float, float]:
