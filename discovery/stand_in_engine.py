@@ -3,7 +3,8 @@ r"""A stand-in for Megatron's rank zero, for the demo and the tests: no model, s
     python -m discovery.stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
         [--ready JSON] [--ready-shape flat|nested] [--role ROLE] [--version V] \
         [--kv-events N] [--kv-rate R] [--no-progress] [--truth FILE] [--exit-status N] \
-        [--serve-port P [--serve-host H]]
+        [--serve-port P [--serve-host H]] \
+        [--coordinator-port P [--coordinator-host H] [--token-delay S]]
 
 It does on the wire exactly what Megatron's ``EngineEventReporter`` does
 (``megatron/inference/integrations/dynamo/telemetry.py``): a PUSH socket with LINGER 0
@@ -30,8 +31,18 @@ after S seconds (the request's own length, at most 60), and the ready payload's
 What a client sees is what it would see of a real engine: a dead process refuses the
 connection, a frozen one (SIGSTOP) accepts it (the kernel does) and never answers.
 
-SIGUSR1 makes it go silent (no frame at all, and no answer on the request port: a hung
-engine) and SIGUSR2 talk again (requests held meanwhile are answered then);
+``--coordinator-port P`` (0: a free port; not with ``--serve-port``) makes it speak
+Megatron's coordinator protocol instead, to Megatron's ``InferenceClient`` or
+``discovery.stand_in_client``: a ZeroMQ ROUTER on ``--coordinator-host`` (default
+127.0.0.1), its address ``tcp://H:P`` the ready payload's ``coordinator_address``; it
+answers with deterministic replies computed from the prompt and ``--seed``, each engine
+step taking ``--token-delay`` seconds (``discovery/stand_in_coordinator.py`` says exactly
+what it does, docs/megatron_wire.md what Megatron does). The prompts it serves are cached:
+their KV events go out as above. ``STOP`` ends it as SIGTERM does.
+
+SIGUSR1 makes it go silent (no frame at all, and no answer on the request port or the
+coordinator's: a hung engine) and SIGUSR2 talk again (requests held meanwhile are answered
+then);
 SIGSTOP freezes it for real. ``--truth FILE`` keeps the block hashes it holds in FILE
 (JSON, rewritten atomically on every change) for tests to compare routers' views with. It
 runs until SIGTERM or SIGINT and exits with ``--exit-status``.
@@ -41,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -60,6 +72,7 @@ from ._endpoint import (
     InferenceEngineEndpoint,
     PrefixCachingCoordinatorPolicy,
 )
+from .stand_in_coordinator import StandInCoordinator
 
 __all__ = ["StandInCache", "default_endpoint", "main", "nested_ready"]
 
@@ -197,7 +210,43 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--exit-status", type=int, default=0)
     parser.add_argument("--serve-port", type=int, help="answer requests on this port (0: free)")
     parser.add_argument("--serve-host", default="127.0.0.1", help="the request port's address")
+    _coordinator_arguments(parser)
     return parser
+
+
+def _coordinator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator-port", type=int, help="speak Megatron's coordinator protocol (0: free)"
+    )
+    parser.add_argument("--coordinator-host", default="127.0.0.1", help="the coordinator's address")
+    parser.add_argument(
+        "--token-delay", type=float, default=0.0, help="seconds an engine step takes (one token)"
+    )
+
+
+def _coordinator(args: argparse.Namespace) -> StandInCoordinator | None:
+    """The coordinator ``--coordinator-port`` asks for (not serving yet), or None."""
+    if args.coordinator_port is None:
+        return None
+    if args.serve_port is not None:
+        raise SystemExit("--serve-port and --coordinator-port each give the coordinator address")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="stand-in engine: %(message)s"
+    )
+    caps = default_endpoint()["capabilities"]
+    try:
+        return StandInCoordinator(
+            args.coordinator_host,
+            args.coordinator_port,
+            seed=args.seed,
+            token_delay=args.token_delay,
+            context_length=caps["context_length"],
+            block_size=caps["kv_cache_block_size"],
+            prefix_caching=caps["enable_prefix_caching"],
+            on_stop=lambda: os.kill(os.getpid(), signal.SIGTERM),  # the engine stopped: exit
+        )
+    except ValueError as exc:  # a bad --token-delay, a port in use (ConfigurationError)
+        raise SystemExit(f"stand-in engine: {exc}") from exc
 
 
 class _RequestPort:
@@ -256,14 +305,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = None
     if args.serve_port is not None:
         requests = _RequestPort(args.serve_host, args.serve_port, talking)
+    coordinator = _coordinator(args)
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args.dynamo_parent_event_address)
     try:
         address = requests.address if requests is not None else None
-        received = _StandIn(args, sock, talking, address).run()
+        if coordinator is not None:
+            address = coordinator.address
+        received = _StandIn(args, sock, talking, address, coordinator).run()
     finally:
+        if coordinator is not None:
+            coordinator.close()
         sock.close()
         context.term()
         if requests is not None:
@@ -285,12 +339,15 @@ class _StandIn:
         sock: Any,
         talking: threading.Event,
         address: str | None = None,
+        coordinator: StandInCoordinator | None = None,
     ) -> None:
         import msgpack  # noqa: PLC0415
 
         self._args = args
         self._sock = sock
         self._talking = talking
+        self._coordinator = coordinator
+        self._lock = threading.RLock()  # the socket and the cache: the coordinator serves too
         self._pack = msgpack.Packer(use_bin_type=True).pack
         endpoint = default_endpoint() if address is None else default_endpoint(address)
         caps = endpoint["capabilities"]
@@ -306,19 +363,36 @@ class _StandIn:
             self._ready = {**self._ready, "version": args.version}
 
     def send(self, kind: str, payload: object) -> None:
-        self._sock.send(self._pack([kind, payload]))
+        with self._lock:
+            self._sock.send(self._pack([kind, payload]))
 
     def serve(self) -> None:
         """Serve one chat prompt: its KV events go out."""
-        for kind, payload in self._cache.serve(chat_prompt(self._rng, self._cache.block_size)):
-            self.send(kind, payload)
-        if self._args.truth:
-            _write_truth(self._args.truth, self._cache)
+        self.serve_tokens(chat_prompt(self._rng, self._cache.block_size))
+
+    def serve_tokens(self, tokens: Sequence[int]) -> None:
+        """Cache a prompt the engine serves: its KV events go out."""
+        with self._lock:
+            for kind, payload in self._cache.serve(tokens):
+                self.send(kind, payload)
+            if self._args.truth:
+                _write_truth(self._args.truth, self._cache)
+
+    def set_talking(self, talking: bool) -> None:
+        """Talk (frames, answers) or go silent, as a hung engine."""
+        if talking:
+            self._talking.set()
+        else:
+            self._talking.clear()
+        if self._coordinator is not None:
+            self._coordinator.set_talking(talking)
 
     def run(self) -> signal.Signals:
         """Talk until a stop signal; the signal."""
         args = self._args
         self.send("ready", self._ready)
+        if self._coordinator is not None:
+            self._coordinator.start(self.serve_tokens)
         for _ in range(args.kv_events):
             self.serve()
         period = 1 / args.kv_rate if args.kv_rate > 0 else 3600.0
@@ -332,10 +406,7 @@ class _StandIn:
                 return signal.Signals(received.si_signo)
             if received is not None:
                 silent = received.si_signo == signal.SIGUSR1
-                if silent:
-                    self._talking.clear()
-                else:
-                    self._talking.set()
+                self.set_talking(not silent)
                 continue
             now = time.monotonic()
             if now >= next_prompt:

@@ -133,7 +133,17 @@ def test_every_public_name_is_documented_and_typed() -> None:
 
 
 @pytest.mark.external  # a fresh interpreter
-@pytest.mark.parametrize("module", ["discovery.embedded", "discovery.memory"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "discovery.embedded",
+        "discovery.memory",
+        "discovery.stand_in_engine",
+        "discovery.stand_in_wire",
+        "discovery.stand_in_coordinator",
+        "discovery.stand_in_client",
+    ],
+)
 def test_test_support_modules_are_not_imported_by_the_library(module: str) -> None:
     code = f"import discovery, sys; print({module!r} in sys.modules)"
     result = subprocess.run(
