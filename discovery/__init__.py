@@ -21,6 +21,7 @@ from ._errors import (
     EtcdUnavailableError,
     InvalidRecordError,
     NoEngineAvailableError,
+    OverloadedError,
     PermissionDeniedError,
     RecordDecodeError,
 )
@@ -51,7 +52,7 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import PickHandle, Router, RouterHealth
+from ._router import Explanation, PickHandle, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
 from ._session import Session
 from ._settings import Settings
@@ -92,6 +93,7 @@ __all__ = [
     "EtcdPort",
     "EtcdUnavailableError",
     "EventType",
+    "Explanation",
     "FirstPrefixBlockPolicy",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
@@ -103,6 +105,7 @@ __all__ = [
     "Metrics",
     "MetricsHooks",
     "NoEngineAvailableError",
+    "OverloadedError",
     "PermissionDeniedError",
     "PickHandle",
     "PickRequest",

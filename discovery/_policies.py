@@ -166,9 +166,10 @@ class Candidate:
     logical_data_parallel_size``), ``block_size`` (``kv_cache_block_size``),
     ``context_length``, ``advertised`` (the RoutingPolicy its capabilities ask for),
     ``in_flight`` (the router's unreleased handles on it), ``others`` (what other routers
-    hold there, or the engine's own count, as its state relay reports; 0 without one) and
-    ``load`` (``in_flight + others``: the load view every policy and the bound use).
-    Policies read, never write.
+    hold there, or the engine's own count, as its state relay reports; 0 without one),
+    ``load`` (``in_flight + others``: the load view every policy and the bound use) and
+    ``routers`` (how many routers report to its relay; 1 without one). Policies read,
+    never write.
     """
 
     __slots__ = (
@@ -183,12 +184,14 @@ class Candidate:
         "load",
         "others",
         "record",
+        "routers",
     )
 
     def __init__(self, record: EngineRecord) -> None:
         self.engine_id = record.engine_id
         self._seed = _digest(record.engine_id.encode(), _SEED_PERSON)
         self.in_flight = self.others = self.load = 0
+        self.routers = 1
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:
@@ -217,8 +220,9 @@ class Candidate:
         self.in_flight -= 1
         self._rescore()
 
-    def _set_others(self, others: int) -> None:
+    def _set_others(self, others: int, routers: int = 1) -> None:
         self.others = others
+        self.routers = routers
         self._rescore()
 
     def __repr__(self) -> str:

@@ -78,6 +78,7 @@ INTENDED = {
     "RouterHealth",
     "RoutingPolicy",
     "PickHandle",
+    "Explanation",
     # routing policies: the protocol, what it sees, the built-in classes
     "Policy",
     "Candidate",
@@ -97,6 +98,7 @@ INTENDED = {
     "PermissionDeniedError",
     "EngineConflictError",
     "NoEngineAvailableError",
+    "OverloadedError",
     "ClosedError",
     "__version__",
 }
