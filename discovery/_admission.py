@@ -9,16 +9,19 @@ has a state relay, what the other routers hold there (or what the engine itself 
 **Many routers.** A relayed load is up to a report interval old, so two routers that both
 see the last free slot could both take it. To never run an engine above its capacity,
 each of the ``R`` routers reporting to an engine's relay keeps to its share of the engine:
-this router's own handles stay within ``floor(capacity / R)`` (at least one), and the
-whole relayed load within the capacity. Shares are exact when every engine has at least
-``R`` slots; an idle router's share is not lent to the others (what exactness costs).
+this router's own handles stay within ``floor(capacity / R)``, one more for the first
+``capacity mod R`` routers in the relay's order (the shares add up to the capacity; at
+least one each), and the whole relayed load within the capacity. Shares are exact when
+every engine has at least ``R`` slots and the routers are settled (a router joining or
+leaving changes them within a report interval); an idle router's share is not lent to
+the others (what exactness costs).
 Without a relay a router counts only its own handles: give each router its share with
 ``capacity=`` when several route to the same engines.
 
 **Priorities.** ``priority`` is an integer, higher first, default 0. With ``reserve=r``,
-picks of priority 0 or lower may fill an engine only up to ``(1 - r)`` of its capacity
-(and of this router's share): above that utilisation they wait, and the top ``r`` is kept
-for picks of priority 1 or more. Waiting picks are served highest priority first, then
+picks of priority 0 or lower may fill an engine only up to ``(1 - r)`` of its capacity,
+on the shared load view: above that utilisation they wait, and the top ``r`` is kept for
+picks of priority 1 or more. Waiting picks are served highest priority first, then
 first come first served.
 
 **Waiting.** When no candidate has room, a pick waits up to ``wait`` seconds, in a queue
@@ -53,6 +56,7 @@ class Engine(Protocol):
     in_flight: int
     load: int
     routers: int
+    rank: int
 
 
 H = TypeVar("H")
@@ -142,13 +146,20 @@ class Admission:
 
     def has_room(self, engine: Engine, priority: int) -> bool:
         """Whether ``engine`` takes one more request of ``priority`` from this router."""
-        capacity: float = self.limit(engine)
-        if priority <= 0 and self.reserve:
-            capacity *= 1 - self.reserve
-        if engine.load + 1 > capacity:
+        capacity = self.limit(engine)
+        if engine.load + 1 > (capacity * (1 - self.reserve) if priority <= 0 else capacity):
             return False
         routers = engine.routers
-        return routers <= 1 or engine.in_flight + 1 <= max(1, math.floor(capacity / routers))
+        return routers <= 1 or engine.in_flight + 1 <= self.share(capacity, routers, engine.rank)
+
+    @staticmethod
+    def share(capacity: int, routers: int, rank: int) -> int:
+        """A router's slots of an engine of ``capacity`` shared by ``routers``: at least one.
+
+        An equal share, the remainder to the first ranks: every router computes the same
+        split, and the shares add up to the capacity.
+        """
+        return max(1, capacity // routers + (rank < capacity % routers))
 
     def forget(self, engine_id: str) -> None:
         """The engine left: drop its cached capacity."""

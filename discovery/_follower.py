@@ -140,6 +140,7 @@ class _Follow:
     load: Mapping[str, Any] = field(default_factory=lambda: _NO_LOAD)
     others: int = 0  # what the other routers (or the engine's own count) add to ours
     routers: int = 1  # routers reporting to the relay, ours included
+    rank: int = 0  # our place among them (the relay's order)
     reported: int = -1  # the count last reported to the relay (-1: none yet)
     fresh: bool = False  # synced and heard from within stale_after, as last told
     epoch: int = 0
@@ -295,13 +296,14 @@ class EngineStates:
         follow = self._fresh(engine_id)
         return None if follow is None else follow.others
 
-    def share(self, engine_id: str) -> tuple[int, int] | None:
-        """``(others, routers)``: what the others hold and how many routers report.
+    def share(self, engine_id: str) -> tuple[int, int, int] | None:
+        """``(others, routers, rank)``: the other routers' load, how many report, our place.
 
+        The rank is this router's place in the relay's order (the same for every router).
         None when the engine's state is not synced and fresh (see ``others``).
         """
         follow = self._fresh(engine_id)
-        return None if follow is None else (follow.others, follow.routers)
+        return None if follow is None else (follow.others, follow.routers, follow.rank)
 
     def load_changes(self, notify: Callable[[], None] | None = None) -> collections.deque[str]:
         """A queue of engine ids whose ``others`` changed; the caller pops from it.
@@ -671,8 +673,9 @@ class EngineStates:
         routers = int(load.get("routers", 1))
         if not load.get("counted", True):
             routers += 1  # our own first report is still on its way
-        if others != follow.others or routers != follow.routers:
-            follow.others, follow.routers = others, routers
+        rank = int(load.get("rank", 0))
+        if (others, routers, rank) != (follow.others, follow.routers, follow.rank):
+            follow.others, follow.routers, follow.rank = others, routers, rank
             self._announce(follow.engine_id)
 
     def _freshness(self, follow: _Follow, now: float) -> None:

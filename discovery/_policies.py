@@ -167,9 +167,9 @@ class Candidate:
     ``context_length``, ``advertised`` (the RoutingPolicy its capabilities ask for),
     ``in_flight`` (the router's unreleased handles on it), ``others`` (what other routers
     hold there, or the engine's own count, as its state relay reports; 0 without one),
-    ``load`` (``in_flight + others``: the load view every policy and the bound use) and
-    ``routers`` (how many routers report to its relay; 1 without one). Policies read,
-    never write.
+    ``load`` (``in_flight + others``: the load view every policy and the bound use),
+    ``routers`` (how many routers report to its relay; 1 without one) and ``rank`` (this
+    router's place among them). Policies read, never write.
     """
 
     __slots__ = (
@@ -183,6 +183,7 @@ class Candidate:
         "in_flight",
         "load",
         "others",
+        "rank",
         "record",
         "routers",
     )
@@ -192,6 +193,7 @@ class Candidate:
         self._seed = _digest(record.engine_id.encode(), _SEED_PERSON)
         self.in_flight = self.others = self.load = 0
         self.routers = 1
+        self.rank = 0
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:
@@ -220,9 +222,10 @@ class Candidate:
         self.in_flight -= 1
         self._rescore()
 
-    def _set_others(self, others: int, routers: int = 1) -> None:
+    def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
         self.others = others
         self.routers = routers
+        self.rank = rank
         self._rescore()
 
     def __repr__(self) -> str:

@@ -23,7 +23,9 @@ The relay sends:
   times a second (10/s by default): ``{"in_flight": the sum of every live router's report,
   "routers": how many reported, "yours": the report of the router it is sent to (so it
   knows what the others hold), "counted": whether that router's report is in the sum,
-  "engine": what the engine reports or None}``. Reports of a router not heard from for
+  "rank": its place among the routers that report (0 first; by their identities, the same
+  order for every router: admission gives the first ``capacity mod routers`` one slot
+  more), "engine": what the engine reports or None}``. Reports of a router not heard from for
   ``subscriber_timeout`` age out. (No public Megatron version
   reports load on its event socket yet: ``engine`` is None until one does.)
 * ``["tick", epoch, seq]`` every ``heartbeat`` s: a subscriber that missed the last
@@ -331,18 +333,23 @@ class StateRelay:
     def _snapshot(self, pack: Any, identity: bytes) -> bytes:
         with self._lock:
             seq, hashes, load = self._seq, self._blocks.hashes(), dict(self._load())
-            load["yours"] = self._reports.get(identity, 0)
-            load["counted"] = identity in self._reports
+            load.update(self._yours(identity))
         return bytes(pack(["hello", self.epoch, seq, pack_hashes(hashes), load]))
+
+    def _yours(self, identity: bytes) -> dict[str, Any]:
+        """What the load view tells one router of itself (under the lock)."""
+        counted = identity in self._reports
+        rank = sorted(self._reports).index(identity) if counted else len(self._reports)
+        return {"yours": self._reports.get(identity, 0), "counted": counted, "rank": rank}
 
     def _send_loads(self, sock: zmq.Socket[Any], pack: Any, load: dict[str, Any]) -> None:
         """The load view to each subscriber, with its own report in it."""
         import zmq  # noqa: PLC0415
 
         with self._lock:
-            reports = {identity: self._reports.get(identity) for identity in self._subscribers}
-        for identity, yours in reports.items():
-            view = {**load, "yours": yours or 0, "counted": yours is not None}
+            yours = {identity: self._yours(identity) for identity in self._subscribers}
+        for identity, own in yours.items():
+            view = {**load, **own}
             sock.send_multipart([identity, pack(["load", self.epoch, view])], zmq.NOBLOCK)
 
     def _load(self) -> tuple[tuple[str, Any], ...]:

@@ -1138,10 +1138,10 @@ class Router:
         self._pools.clear()
         self._snapshot = snapshot
 
-    def _share(self, engine_id: str) -> tuple[int, int]:
-        """What other routers hold on the engine and how many report (0, 1 without state)."""
+    def _share(self, engine_id: str) -> tuple[int, int, int]:
+        """What other routers hold, how many report, our rank (0, 1, 0 without state)."""
         assert self._states is not None
-        return self._states.share(engine_id) or (0, 1)
+        return self._states.share(engine_id) or (0, 1, 0)
 
     def _forget_locked(self, engine_id: str) -> None:
         for policy in self._builtins.values():
