@@ -69,7 +69,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ._blockhash import LazyBlockHashes
 from ._record import EngineRecord
@@ -173,6 +173,8 @@ class Candidate:
     """
 
     __slots__ = (
+        "_listening",
+        "_losses",
         "_score",
         "_seed",
         "advertised",
@@ -194,6 +196,10 @@ class Candidate:
         self.in_flight = self.others = self.load = 0
         self.routers = 1
         self.rank = 0
+        # The router's: each time it stopped being a good target (a counter, why), and
+        # the held handles' listeners waiting to hear of the next time.
+        self._losses: list[tuple[int, str]] | None = None
+        self._listening: list[tuple[Any, Any]] | None = None
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:

@@ -91,6 +91,8 @@ import bisect
 import collections
 import contextlib
 import logging
+import math
+import sys
 import threading
 import time
 import weakref
@@ -138,12 +140,15 @@ __all__ = ["Explanation", "PickHandle", "Router", "RouterHealth"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Listener = Callable[["PickHandle"], object] | asyncio.Future[str]
 
 _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
+_NO_IDS: frozenset[str] = frozenset()
+_HELD = sys.maxsize  # a held handle's last loss to count: every one to come
 _LOST_STATUSES = {
     EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
     EngineStatus.STOPPING: "stopping: its engine exited or it is being deregistered",
@@ -258,10 +263,10 @@ class PickHandle(RecordView):
 
     __slots__ = (
         "_engine",
-        "_listeners",
-        "_lost",
         "_released",
         "_router",
+        "_since",
+        "_until",
         "matched_tokens",
         "policy",
         "record",
@@ -279,8 +284,8 @@ class PickHandle(RecordView):
         self._router = router
         self._engine = engine
         self._released = False
-        self._lost: str | None = None
-        self._listeners: list[Callable[[PickHandle], object] | asyncio.Future[str]] | None = None
+        self._since = router._losses  # losses of its engine after this one count...
+        self._until = _HELD  # ...until it is released
         self.record: EngineRecord = engine.record
         """The chosen engine's record, as it was when picked."""
         self.policy = policy
@@ -298,7 +303,7 @@ class PickHandle(RecordView):
     @property
     def lost(self) -> str | None:
         """Why the engine stopped being a good target while held (None: it has not)."""
-        return self._lost
+        return _lost(self)
 
     def on_lost(self, callback: Callable[[PickHandle], object]) -> None:
         """Call ``callback(handle)`` once if the engine stops being a good target while held.
@@ -316,7 +321,7 @@ class PickHandle(RecordView):
         """
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if not self._router._listen(self, future):
-            return self._lost or ""
+            return _lost(self) or ""
         return await future
 
     def release(self, *, failed: bool = False) -> None:
@@ -335,8 +340,19 @@ class PickHandle(RecordView):
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
-        lost = f" lost={self._lost!r}" if self._lost else ""
+        reason = _lost(self)
+        lost = f" lost={reason!r}" if reason else ""
         return f"<PickHandle {self.engine_id} policy={self.policy} {state}{lost}>"
+
+
+def _lost(handle: PickHandle) -> str | None:
+    """The first loss of ``handle``'s engine after it was picked (None: none yet)."""
+    losses = handle._engine._losses
+    if losses:
+        for count, reason in losses:
+            if handle._since < count <= handle._until:
+                return reason
+    return None
 
 
 class _TableSink:
@@ -476,9 +492,9 @@ class Router:
         self._pools: dict[tuple[object, ...], _Pool] = {}
         self._warned: set[object] = set()
         self._held = 0  # unreleased handles, over every engine
-        self._holding: dict[Candidate, set[PickHandle]] = {}  # held handles per engine
+        self._losses = 0  # engines that stopped being good targets, counted
         self._next_check = 0.0  # when a pick next looks at unconfirmed engines' evidence
-        self._notices: list[tuple[PickHandle, str]] = []  # lost handles to tell, after the lock
+        self._notices: list[tuple[PickHandle, Listener, str]] = []  # told after the lock
         self._batches: collections.deque[tuple[Batch, float]] = collections.deque()
         weakref.finalize(self, table.store.add_sink(_TableSink(self), replay=False))
         if metrics is not None:
@@ -535,15 +551,15 @@ class Router:
             wait=wait,
             priority=priority,
         )
-        started = time.monotonic()
         with self._lock:
-            handle = self._first_try_locked(ask, timeout, started)
+            handle = self._first_try_locked(ask, timeout)
             if handle is None:
-                waiter = self._queue_locked(ask, started, event=threading.Event())
+                waiter = self._queue_locked(ask, event=threading.Event())
         if handle is not None:
             self._picked(handle)
             return handle
         assert waiter.event is not None
+        started = waiter.started
         deadline = started + timeout
         while not waiter.event.wait(self._next_wake(deadline)):
             if time.monotonic() >= deadline:
@@ -582,15 +598,15 @@ class Router:
             wait=wait,
             priority=priority,
         )
-        started = time.monotonic()
-        future: asyncio.Future[PickHandle] = asyncio.get_running_loop().create_future()
         with self._lock:
-            handle = self._first_try_locked(ask, timeout, started)
+            handle = self._first_try_locked(ask, timeout)
             if handle is None:
-                waiter = self._queue_locked(ask, started, future=future)
+                future: asyncio.Future[PickHandle] = asyncio.get_running_loop().create_future()
+                waiter = self._queue_locked(ask, future=future)
         if handle is not None:
             self._picked(handle)
             return handle
+        started = waiter.started
         deadline = started + timeout
         try:
             while not future.done():
@@ -736,18 +752,21 @@ class Router:
         priority: int,
     ) -> tuple[_Ask, float]:
         """The pick's arguments, checked, and how long it may wait for room."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        # type() is: the common case costs one comparison (bool is an int subclass: refused)
+        if type(max_tokens) is not int and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+        ):
             raise TypeError("max_tokens must be an integer")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if block_hashes is not None:
             _check_block_hashes(block_hashes, len(prompt_tokens))
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if type(priority) is not int and (
+            isinstance(priority, bool) or not isinstance(priority, int)
+        ):
             raise TypeError(f"priority must be an integer, not {type(priority).__name__}")
-        if wait is not None and not 0 <= wait < float("inf"):
-            raise ValueError(f"wait must be >= 0 seconds and finite, got {wait!r}")
-        if exclude is None or not exclude:
-            excluded: frozenset[str] = frozenset()
+        if not exclude:
+            excluded = _NO_IDS
         elif isinstance(exclude, str):
             raise TypeError("exclude must be a collection of engine ids, not a string")
         else:
@@ -757,20 +776,25 @@ class Router:
             if weight_version is None and min_weight_version is None and max_version_lag is None
             else _Versions.of(weight_version, min_weight_version, max_version_lag)
         )
-        admit = self._admit or wait is not None
-        timeout = (self._admission.wait if wait is None else wait) if admit else 0.0
+        if wait is None:
+            admit = self._admit
+            timeout = self._admission.wait if admit else 0.0
+        elif 0 <= wait < math.inf:
+            admit, timeout = True, wait
+        else:
+            raise ValueError(f"wait must be >= 0 seconds and finite, got {wait!r}")
         ask = _Ask(
             prompt_tokens, max_tokens, selector, versions, block_hashes, excluded, priority, admit
         )
         return ask, timeout
 
-    def _first_try_locked(self, ask: _Ask, timeout: float, started: float) -> PickHandle | None:
+    def _first_try_locked(self, ask: _Ask, timeout: float) -> PickHandle | None:
         """Pick at once if there is room; None: the pick must wait (it may)."""
         self._refresh_locked()
         if self._admission.waiters:
             self._serve_locked()  # those waiting come first
         try:
-            handle = self._try_locked(ask, started)
+            handle = self._try_locked(ask, None)
         except NoEngineAvailableError:
             self._metrics.no_engine()
             raise
@@ -786,12 +810,12 @@ class Router:
     def _queue_locked(
         self,
         ask: _Ask,
-        started: float,
         *,
         event: threading.Event | None = None,
         future: asyncio.Future[PickHandle] | None = None,
     ) -> Waiter[PickHandle]:
         key = self._pool_key_locked(ask)
+        started = time.monotonic()
         waiter = Waiter(ask, key, ask.priority, started, event=event, future=future)
         self._admission.enqueue(waiter)
         return waiter
@@ -825,8 +849,11 @@ class Router:
         self._metrics.picked(handle.policy)
         self._deliver_notices()
 
-    def _try_locked(self, ask: _Ask, started: float) -> PickHandle | None:
-        """The engine for ``ask`` now, held; None when admission finds no room."""
+    def _try_locked(self, ask: _Ask, started: float | None) -> PickHandle | None:
+        """The engine for ``ask`` now, held; None when admission finds no room.
+
+        ``started``: when a waiting pick began to wait (None: it did not).
+        """
         pool = self._pool_locked(ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions)
         candidates = pool.candidates
         if ask.exclude:
@@ -860,12 +887,8 @@ class Router:
             name, matched = policy.name, 0
         engine._acquire()
         self._held += 1
-        handle = PickHandle(self, engine, name, matched, time.monotonic() - started)
-        held = self._holding.get(engine)
-        if held is None:
-            held = self._holding[engine] = set()
-        held.add(handle)
-        return handle
+        waited = 0.0 if started is None else time.monotonic() - started
+        return PickHandle(self, engine, name, matched, waited)
 
     def _serve_locked(self) -> None:
         """Give room to waiting picks, in their order (a set without room is tried once)."""
@@ -930,14 +953,11 @@ class Router:
             if handle._released:
                 return
             handle._released = True
-            handle._listeners = None  # nothing more to tell it
+            handle._until = self._losses
             engine = handle._engine
             engine._release()
-            held = self._holding.get(engine)
-            if held is not None:
-                held.discard(handle)
-                if not held:
-                    del self._holding[engine]
+            if engine._listening:  # nothing more to tell it
+                engine._listening = [entry for entry in engine._listening if entry[0] is not handle]
             self._held -= 1
             # A handle of an engine that left the table holds a detached Candidate.
             if failed is not None and self._engines.get(engine.engine_id) is engine:
@@ -963,26 +983,23 @@ class Router:
             self._lose_locked(engine, "fenced: too many requests on it failed in a row")
         return outcome
 
-    def _listen(
-        self, handle: PickHandle, listener: Callable[[PickHandle], object] | asyncio.Future[str]
-    ) -> bool:
+    def _listen(self, handle: PickHandle, listener: Listener) -> bool:
         """Keep ``listener`` for when ``handle`` is lost; False if it is lost already."""
         with self._lock:
-            if handle._lost is not None:
+            if _lost(handle) is not None:
                 return False
-            if not handle._released:
-                if handle._listeners is None:
-                    handle._listeners = []
-                handle._listeners.append(listener)
+            if not handle._released:  # a released handle hears nothing more
+                engine = handle._engine
+                engine._listening = [*(engine._listening or ()), (handle, listener)]
             return True
 
     def _lose_locked(self, engine: Candidate, reason: str) -> None:
-        """Every handle held on ``engine`` learns it is lost (told after the lock)."""
-        for handle in self._holding.get(engine, ()):
-            if handle._lost is None:
-                handle._lost = reason
-                if handle._listeners:
-                    self._notices.append((handle, reason))
+        """Handles held on ``engine`` are lost now (their listeners told after the lock)."""
+        self._losses += 1
+        engine._losses = [*(engine._losses or ()), (self._losses, reason)]
+        listening, engine._listening = engine._listening, None
+        for handle, listener in listening or ():
+            self._notices.append((handle, listener, reason))
 
     def _deliver_notices(self) -> None:
         """Tell lost handles' listeners, outside the lock (callbacks on the event thread)."""
@@ -990,16 +1007,12 @@ class Router:
             return
         with self._lock:
             notices, self._notices = self._notices, []
-            told = [(h, h._listeners or [], reason) for h, reason in notices]
-            for handle, _, _ in told:
-                handle._listeners = None
         dispatcher = self._table.store.dispatcher
-        for handle, listeners, reason in told:
-            for listener in listeners:
-                if isinstance(listener, asyncio.Future):
-                    _resolve(listener, reason)
-                else:
-                    dispatcher.submit(listener, handle)
+        for handle, listener, reason in notices:
+            if isinstance(listener, asyncio.Future):
+                _resolve(listener, reason)
+            else:
+                dispatcher.submit(listener, handle)
 
     def _watching(self) -> bool:
         """Whether a batch must be looked at now, not at the next pick."""
