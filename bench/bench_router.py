@@ -15,6 +15,9 @@ routing table is fed in memory, as the watcher would feed it.
   ``kv_aware``, with ``Router.pick(block_hashes=...)``: computed before the timed span, as
   a frontend keeping each conversation's chain would; nothing hashed). Hashing alone is
   timed too (``block_hashes``), to split the ``kv_aware`` row.
+* Admission rows (``, admission``): the same policy with ``Router(wait=0)``: every pick
+  checks the engine's capacity (on the router's own handles: no relay here), none waits;
+  the target is the median's cost over the same policy without it, at 64 engines.
 * Spread: a discrete-event closed loop over the same prompts (32 shared system prompts,
   Zipf-like popularity) and over distinct prompts. Clients at 75% of the fleet's slots
   each send a request, hold the handle for an exponentially distributed time, release it
@@ -64,12 +67,17 @@ TARGETS = {  # (row, engines) -> median target in microseconds
     (KV_GIVEN, 64): 50.0,
     (KV_GIVEN, 512): 150.0,
 }
-# Rows: each policy with its defaults (kv_aware: below), the prefix policies without the bound.
+# Rows: each policy with its defaults (kv_aware: below), the prefix policies without the bound,
+# and admission on (``wait=0``: capacity checked, nothing ever waits: the loop holds one
+# request at a time) for the policy it costs most and for the default prefix one.
+ADMITTED = ("load_balanced", "first_prefix_block")
 ROWS: dict[str, dict[str, Any]] = {
     **{p.value: {"policy": p} for p in RoutingPolicy if p is not RoutingPolicy.KV_AWARE},
     "first_prefix_block c=None": {"policy": "first_prefix_block", "load_factor": None},
     "longest_prefix c=None": {"policy": "longest_prefix", "load_factor": None},
+    **{f"{p}, admission": {"policy": p, "wait": 0} for p in ADMITTED},
 }
+ADMISSION_LIMIT = 5.0  # us more than the same policy without admission, median @ 64 engines
 
 
 def make_table(engines: int, *, state_relays: bool = False) -> RoutingTable:
@@ -293,6 +301,15 @@ def main() -> None:
     targets = [
         Target(f"pick median, {row} @ {engines}", latency[row, engines][0], limit, "us")
         for (row, engines), limit in TARGETS.items()
+    ]
+    targets += [
+        Target(
+            f"admission's cost, {p} @ 64 (median, on minus off)",
+            latency[f"{p}, admission", 64][0] - latency[p, 64][0],
+            ADMISSION_LIMIT,
+            "us",
+        )
+        for p in ADMITTED
     ]
     lines += ["", *(t.line() for t in targets)]
     lines.append(f"longest-prefix index: {entries} entries, ~{per_entry:.0f} bytes per entry")

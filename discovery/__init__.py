@@ -21,6 +21,7 @@ from ._errors import (
     EtcdUnavailableError,
     InvalidRecordError,
     NoEngineAvailableError,
+    OverloadedError,
     PermissionDeniedError,
     RecordDecodeError,
 )
@@ -59,7 +60,7 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import PickHandle, Router, RouterHealth
+from ._router import Explanation, PickHandle, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
 from ._session import Session
 from ._settings import Settings
@@ -101,6 +102,7 @@ __all__ = [
     "EtcdPort",
     "EtcdUnavailableError",
     "EventType",
+    "Explanation",
     "FirstPrefixBlockPolicy",
     "HandoffKey",
     "InferenceEngineCapabilities",
@@ -115,6 +117,7 @@ __all__ = [
     "Metrics",
     "MetricsHooks",
     "NoEngineAvailableError",
+    "OverloadedError",
     "PermissionDeniedError",
     "PickHandle",
     "PickRequest",

@@ -798,6 +798,13 @@ class Connection(CloseHooks):
 
     def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
         """Create each absent key on ``lease_id`` in one transaction of nested ones."""
+        # etcd compares a missing key's mod revision as 0: "absent" is "at revision 0".
+        return self.update_many([(key, value, 0) for key, value in items], lease_id)
+
+    def update_many(
+        self, items: Sequence[tuple[str, bytes, int]], lease_id: int
+    ) -> list[PutResult]:
+        """Put each (key, value) still at its mod revision, in one transaction of nested ones."""
         if len(items) > MAX_BATCH:
             raise ValueError(f"at most {MAX_BATCH} keys per batch, got {len(items)}")
 
@@ -805,11 +812,11 @@ class Connection(CloseHooks):
             txn = client.transactions
             ops = [
                 Txn(
-                    compare=[txn.version(key) == 0],
+                    compare=[txn.mod(key) == mod_revision],
                     success=[txn.put(key, value, lease_id)],
                     failure=[txn.get(key)],
                 )
-                for key, value in items
+                for key, value, mod_revision in items
             ]
             _, responses = client.transaction(compare=[], success=ops, failure=[])
             results = []

@@ -9,6 +9,7 @@
     │   ├── PermissionDeniedError           authentication failed or the role lacks permission
     │   └── EngineConflictError             the engine id is held by another live lease
     ├── NoEngineAvailableError              no engine in the routing table can serve a request
+    │   └── OverloadedError                 engines pass the filters, none has room in time
     └── ClosedError (RuntimeError)          misuse: an object used after close()/stop()
 
 Record validation itself keeps Megatron-Core's types (``TypeError``/``ValueError``/
@@ -26,6 +27,7 @@ __all__ = [
     "EtcdUnavailableError",
     "InvalidRecordError",
     "NoEngineAvailableError",
+    "OverloadedError",
     "PermissionDeniedError",
     "RecordDecodeError",
 ]
@@ -88,6 +90,24 @@ class EngineConflictError(EtcdError):
 
 class NoEngineAvailableError(DiscoveryError):
     """No engine passes a pick's filters; the message names the filter that emptied the set."""
+
+
+class OverloadedError(NoEngineAvailableError):
+    """Engines pass a pick's filters but none had room within its wait (admission).
+
+    ``capacity`` and ``load`` are the candidates' total slots and requests in flight (this
+    router's and, where relayed, the others'), ``waited`` the seconds the pick waited,
+    ``queued`` the picks waiting when it gave up (or was refused a place).
+    """
+
+    def __init__(
+        self, message: str, *, capacity: int, load: int, waited: float, queued: int
+    ) -> None:
+        super().__init__(message)
+        self.capacity = capacity
+        self.load = load
+        self.waited = waited
+        self.queued = queued
 
 
 class ClosedError(DiscoveryError, RuntimeError):

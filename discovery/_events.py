@@ -477,10 +477,11 @@ class EngineEventReceiver:
                 return
             self._closed = True
         registration = self.stop_receiving()
+        if self._relay is not None:
+            # First: its goodbye reaches routers directly, also when etcd cannot be reached.
+            self._relay.close()
         if registration is not None:
             registration.close()
-        if self._relay is not None:
-            self._relay.close()
         self._set_state(ReceiverState.CLOSED)
         self._dispatcher.stop()
 

@@ -25,7 +25,14 @@ and the engine's current block set and load. What a policy may rely on:
   ``others(engine_id)`` is what the other routers hold there (the engine's own count, when
   it reports one, minus ours): a router adds it to its own handles for one load view
   across routers. ``load_changes()`` names the engines whose ``others`` changed, so a
-  router updates only those.
+  router updates only those (and its ``notify`` wakes the router's waiting picks).
+* **Goodbye.** A relay whose launcher stops (its engine exited) says ``bye``: the state
+  is stale at once, without waiting for ``stale_after``. ``silent(engine_id)`` says
+  whether a followed engine's relay said goodbye or has been quiet past ``stale_after``.
+* **Held engines.** A router keeping an engine routable after its record went (an
+  ``unconfirmed`` engine, ``_protection.py``) asks ``hold(engine_id, address)``: its relay
+  is followed although the table no longer holds it, until ``unhold``. Its silence is
+  the router's evidence that the engine is dead.
 
 One thread (``discovery-engine-states``) owns every socket; reads (``cached_prefix``,
 ``fresh_view``, ``state``) take no lock: each engine's block set is swapped whole on a
@@ -88,6 +95,8 @@ class EngineState:
     """The block hashes the engine caches (Megatron's hash; see ``_blockhash.py``)."""
     load: Mapping[str, Any]
     """``in_flight`` (summed over the routers that report), ``routers``, ``engine``."""
+    gone: bool = False
+    """The relay said goodbye: its launcher stopped (the engine exited)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,8 @@ class _Follow:
     blocks: set[int] = field(default_factory=set)
     load: Mapping[str, Any] = field(default_factory=lambda: _NO_LOAD)
     others: int = 0  # what the other routers (or the engine's own count) add to ours
+    routers: int = 1  # routers reporting to the relay, ours included
+    rank: int = 0  # our place among them (the relay's order)
     reported: int = -1  # the count last reported to the relay (-1: none yet)
     fresh: bool = False  # synced and heard from within stale_after, as last told
     epoch: int = 0
@@ -137,6 +148,7 @@ class _Follow:
     synced: bool = False
     heard: float = field(default_factory=time.monotonic)
     asked: float = 0.0  # when a snapshot was last asked for
+    gone: bool = False  # the relay said goodbye (its launcher stopped)
     socket: Any = None
 
 
@@ -169,6 +181,8 @@ class EngineStates:
             self._load_sources.append(lambda: load)
         self._report_interval = report_interval
         self._watchers: list[collections.deque[str]] = []  # load_changes() subscribers
+        self._notifiers: list[Callable[[], None]] = []  # their wake-ups
+        self._held: dict[str, int] = {}  # engine id -> holds (routers keeping it unconfirmed)
         self._metrics = metrics or NO_METRICS
         self._lock = threading.Lock()
         self._follows: dict[str, _Follow] = {}  # replaced whole under the lock: reads free
@@ -282,15 +296,70 @@ class EngineStates:
         follow = self._fresh(engine_id)
         return None if follow is None else follow.others
 
-    def load_changes(self) -> collections.deque[str]:
+    def share(self, engine_id: str) -> tuple[int, int, int] | None:
+        """``(others, routers, rank)``: the other routers' load, how many report, our place.
+
+        The rank is this router's place in the relay's order (the same for every router).
+        None when the engine's state is not synced and fresh (see ``others``).
+        """
+        follow = self._fresh(engine_id)
+        return None if follow is None else (follow.others, follow.routers, follow.rank)
+
+    def load_changes(self, notify: Callable[[], None] | None = None) -> collections.deque[str]:
         """A queue of engine ids whose ``others`` changed; the caller pops from it.
 
         The follower appends on a new load view, and when a state turns stale or synced.
+        ``notify`` (if given) is called after each append, on the follower's thread: it
+        must be quick and must not call back into this object's waits.
         """
         queue: collections.deque[str] = collections.deque(maxlen=1 << 16)
         with self._lock:
             self._watchers.append(queue)
+            if notify is not None:
+                self._notifiers.append(notify)
         return queue
+
+    def silent(self, engine_id: str) -> bool:
+        """Whether the engine's relay said goodbye or was quiet past ``stale_after``.
+
+        False for an engine not followed (it has no relay to be silent).
+        """
+        follow = self._follows.get(engine_id)
+        if follow is None:
+            return False
+        return follow.gone or time.monotonic() - follow.heard > self.stale_after
+
+    def hold(self, engine_id: str, address: str) -> None:
+        """Follow the engine's relay at ``address`` even while the table lacks the engine.
+
+        For a router keeping it routable (unconfirmed); each ``hold`` needs an ``unhold``.
+        """
+        with self._lock:
+            if self._stopping:
+                return
+            self._held[engine_id] = self._held.get(engine_id, 0) + 1
+            kept = self._follows.get(engine_id)
+            if kept is not None and kept.address == address:
+                return
+            self._follows = {**self._follows, engine_id: _Follow(engine_id, address)}
+            self._version += 1
+        self._poke()
+
+    def unhold(self, engine_id: str) -> None:
+        """Undo one ``hold``: once none is left, follow the engine only if the table has it."""
+        with self._lock:
+            holds = self._held.get(engine_id, 0) - 1
+            if holds > 0:
+                self._held[engine_id] = holds
+                return
+            self._held.pop(engine_id, None)
+            record = self._table.get(engine_id)
+            kept = self._follows.get(engine_id)
+            if kept is None or (record is not None and record.state_address == kept.address):
+                return
+            self._follows = {k: f for k, f in self._follows.items() if k != engine_id}
+            self._version += 1
+        self._poke()
 
     def state(self, engine_id: str) -> EngineState | None:
         """The engine's state as last heard (a copy), or None if it has no relay."""
@@ -306,6 +375,7 @@ class EngineStates:
             seq=follow.seq,
             blocks=frozenset(follow.blocks),
             load=follow.load,
+            gone=follow.gone,
         )
 
     def __contains__(self, engine_id: object) -> bool:
@@ -436,6 +506,8 @@ class EngineStates:
                 kept = follows.get(engine_id)
                 if kept is not None and kept.address == address:
                     continue
+                if address is None and engine_id in self._held:
+                    continue  # a router keeps it routable: its relay is the evidence
                 if not changed:
                     follows, changed = dict(follows), True  # readers keep the old dict
                 if address is None:
@@ -548,7 +620,7 @@ class EngineStates:
         if verb == "hello":
             seq, blocks, load = rest
             follow.blocks = set(unpack_hashes(blocks))
-            follow.epoch, follow.seq = epoch, seq
+            follow.epoch, follow.seq, follow.gone = epoch, seq, False
             self._new_load(follow, load)
             synced, follow.synced = follow.synced, True
             self._version += 1  # a new set (and maybe newly synced)
@@ -556,6 +628,12 @@ class EngineStates:
                 with self._changed:
                     self._changed.notify_all()
             self._freshness(follow, now)
+            return
+        if verb == "bye":  # its launcher stopped: the state is gone now, not when stale
+            follow.gone, follow.synced, follow.heard = True, False, -math.inf
+            self._version += 1
+            follow.fresh = False
+            self._announce(follow.engine_id)
             return
         if epoch != follow.epoch:
             if follow.synced or now - follow.asked > self._heartbeat:
@@ -592,8 +670,12 @@ class EngineStates:
         if isinstance(engine, Mapping) and "active_request_count" in engine:
             total = engine["active_request_count"] + engine.get("waiting_request_count", 0)
         others = max(0, int(total) - int(load.get("yours", 0)))
-        if others != follow.others:
-            follow.others = others
+        routers = int(load.get("routers", 1))
+        if not load.get("counted", True):
+            routers += 1  # our own first report is still on its way
+        rank = int(load.get("rank", 0))
+        if (others, routers, rank) != (follow.others, follow.routers, follow.rank):
+            follow.others, follow.routers, follow.rank = others, routers, rank
             self._announce(follow.engine_id)
 
     def _freshness(self, follow: _Follow, now: float) -> None:
@@ -606,6 +688,8 @@ class EngineStates:
     def _announce(self, engine_id: str) -> None:
         for queue in self._watchers:
             queue.append(engine_id)
+        for notify in self._notifiers:
+            notify()
 
     def _ask(self, follow: _Follow, reason: str, pack: Callable[[Any], bytes], now: float) -> None:
         """Mark ``follow`` unsynced and ask its relay for a snapshot."""
@@ -628,6 +712,8 @@ class EngineStates:
             if not follow.synced and now - follow.asked > self._heartbeat:
                 self._ask(follow, "gap", pack, now)
             self._freshness(follow, now)
+            if follow.engine_id in self._held and now - follow.heard > self.stale_after:
+                self._announce(follow.engine_id)  # silent: evidence for the router holding it
         self._report(sockets, pack, changed_only=False)
 
     def _report(

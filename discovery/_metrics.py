@@ -134,6 +134,14 @@ class MetricsHooks(Protocol):
         """A routed request failed; what fencing did: ``fenced``, ``limited`` or ``""``."""
         return None
 
+    def overloaded(self) -> None:
+        """A pick found no engine with room within its wait (admission)."""
+        return None
+
+    def unconfirmed(self, engines: int) -> None:
+        """A mass lease loss: ``engines`` more engines kept routable as unconfirmed."""
+        return None
+
     def observe_router(self, router: Any) -> None:
         """Read ``router``'s in-flight requests at scrape time."""
         return None
@@ -285,6 +293,14 @@ class Metrics(MetricsHooks):
             "discovery_router_fence_limited_total",
             "Failed requests whose engine stayed in rotation: max_fenced_share was reached.",
         )
+        self._overloaded = counter(
+            "discovery_router_overloaded_total",
+            "Picks refused by admission: no engine had room within the pick's wait.",
+        )
+        self._unconfirmed = counter(
+            "discovery_router_unconfirmed_total",
+            "Engines kept routable as unconfirmed after their records went in a mass lease loss.",
+        )
         # etcd connection
         self._endpoint_changes = counter(
             "discovery_etcd_endpoint_changes_total",
@@ -420,6 +436,14 @@ class Metrics(MetricsHooks):
         """Count a pick that found no engine."""
         self._no_fit.inc()
 
+    def overloaded(self) -> None:
+        """Count a pick refused for want of room (admission)."""
+        self._overloaded.inc()
+
+    def unconfirmed(self, engines: int) -> None:
+        """Count engines kept routable as unconfirmed after a mass lease loss."""
+        self._unconfirmed.inc(engines)
+
     def request_failed(self, outcome: str) -> None:
         """Count a failed request and what it did: ``fenced``, ``limited`` or nothing."""
         self._failed.inc()
@@ -485,19 +509,49 @@ class _LiveCollector:
             "Seconds until a fenced engine's fence ends (fenced engines only).",
             labels=["engine_id"],
         )
+        unconfirmed = GaugeMetricFamily(
+            "discovery_router_unconfirmed_seconds",
+            "Seconds since an unconfirmed engine's record went (kept routable after a mass "
+            "lease loss; unconfirmed engines only).",
+            labels=["engine_id"],
+        )
+        waiting = GaugeMetricFamily(
+            "discovery_router_waiting", "Picks waiting for room (admission), over every router."
+        )
+        reasons = GaugeMetricFamily(
+            "discovery_router_engines",
+            "Engines a router sees, by why they are or are not candidates (Router.explain).",
+            labels=["reason"],
+        )
         totals: dict[str, int] = {}
         fences: dict[str, float] = {}
+        kept: dict[str, float] = {}
+        waits = 0
+        why: Counter[str] = Counter()
         for router in list(metrics._routers):
             for engine_id, count in router.in_flight().items():
                 totals[engine_id] = totals.get(engine_id, 0) + count
-            for engine_id, seconds in router.health().fenced.items():
+            health = router.health()
+            for engine_id, seconds in health.fenced.items():
                 fences[engine_id] = max(fences.get(engine_id, 0.0), seconds)
+            for engine_id, seconds in health.unconfirmed.items():
+                kept[engine_id] = max(kept.get(engine_id, 0.0), seconds)
+            waits += health.waiting
+            why.update(router.reasons())
         for engine_id, count in sorted(totals.items()):
             in_flight.add_metric([engine_id], count)
         yield in_flight
         for engine_id, seconds in sorted(fences.items()):
             fenced.add_metric([engine_id], seconds)
         yield fenced
+        for engine_id, seconds in sorted(kept.items()):
+            unconfirmed.add_metric([engine_id], seconds)
+        yield unconfirmed
+        waiting.add_metric([], waits)
+        yield waiting
+        for reason, count in sorted(why.items()):
+            reasons.add_metric([reason], count)
+        yield reasons
         yield from _engine_states(list(metrics._engine_states))
 
 

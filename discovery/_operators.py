@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-from ._codec import encode
-from ._port import EtcdPort
+from ._codec import KeySpace, encode
+from ._errors import RecordDecodeError
+from ._port import EtcdPort, KeyValue
 from ._record import (
     EngineRecord,
     EngineStatus,
@@ -52,11 +53,13 @@ def deregister(
     its self-healing): stop the engine to remove it for good. Uses ``connection`` if
     given, else one built from ``settings``.
     """
-    key = keyspace_for(settings, connection).key(engine_id)
+    keyspace = keyspace_for(settings, connection)
+    key = keyspace.key(engine_id)
     with port_for(connection, settings) as conn:
         found = conn.call(lambda: conn.get(key))
         if found is None:
             return None
+        _announce_stopping(conn, keyspace, key, found)
         lease = found.lease
         if not lease:
             conn.call(lambda: conn.delete(key))
@@ -68,6 +71,22 @@ def deregister(
             return 0
         conn.call(lambda: conn.revoke(lease))
         return lease
+
+
+def _announce_stopping(conn: EtcdPort, keyspace: KeySpace, key: str, found: KeyValue) -> None:
+    """Mark a ready record ``stopping`` before removing it: routers see a deliberate removal.
+
+    Best effort: a value that does not decode, or a record changed meanwhile, is removed
+    unannounced.
+    """
+    try:
+        record = keyspace.decode(found.key, found.value)
+    except RecordDecodeError:
+        return
+    if record.status is not EngineStatus.READY:
+        return
+    value = encode(replace(record, status=EngineStatus.STOPPING))
+    conn.call(partial(conn.update, key, value, found.lease, mod_revision=found.mod_revision))
 
 
 def drain(

@@ -69,7 +69,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ._blockhash import LazyBlockHashes
 from ._record import EngineRecord
@@ -166,12 +166,15 @@ class Candidate:
     logical_data_parallel_size``), ``block_size`` (``kv_cache_block_size``),
     ``context_length``, ``advertised`` (the RoutingPolicy its capabilities ask for),
     ``in_flight`` (the router's unreleased handles on it), ``others`` (what other routers
-    hold there, or the engine's own count, as its state relay reports; 0 without one) and
-    ``load`` (``in_flight + others``: the load view every policy and the bound use).
-    Policies read, never write.
+    hold there, or the engine's own count, as its state relay reports; 0 without one),
+    ``load`` (``in_flight + others``: the load view every policy and the bound use),
+    ``routers`` (how many routers report to its relay; 1 without one) and ``rank`` (this
+    router's place among them). Policies read, never write.
     """
 
     __slots__ = (
+        "_listening",
+        "_losses",
         "_score",
         "_seed",
         "advertised",
@@ -182,13 +185,21 @@ class Candidate:
         "in_flight",
         "load",
         "others",
+        "rank",
         "record",
+        "routers",
     )
 
     def __init__(self, record: EngineRecord) -> None:
         self.engine_id = record.engine_id
         self._seed = _digest(record.engine_id.encode(), _SEED_PERSON)
         self.in_flight = self.others = self.load = 0
+        self.routers = 1
+        self.rank = 0
+        # The router's: each time it stopped being a good target (a counter, why), and
+        # the held handles' listeners waiting to hear of the next time.
+        self._losses: list[tuple[int, str]] | None = None
+        self._listening: list[tuple[Any, Any]] | None = None
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:
@@ -217,8 +228,10 @@ class Candidate:
         self.in_flight -= 1
         self._rescore()
 
-    def _set_others(self, others: int) -> None:
+    def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
         self.others = others
+        self.routers = routers
+        self.rank = rank
         self._rescore()
 
     def __repr__(self) -> str:

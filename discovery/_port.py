@@ -47,7 +47,7 @@ PAGE_SIZE = 1000
 """Keys per page when listing a prefix (all pages are read at one revision)."""
 
 MAX_BATCH = 100
-"""Keys per ``create_many`` call (etcd allows 128 operations in one transaction)."""
+"""Keys per ``create_many`` or ``update_many`` call (etcd allows 128 operations per txn)."""
 
 
 class KeyValue(NamedTuple):
@@ -282,6 +282,16 @@ class EtcdPort(Protocol):
 
         Each key is created only if absent, independently of the others; one result per
         item, in order. At most ``MAX_BATCH`` items.
+        """
+        ...
+
+    def update_many(
+        self, items: Sequence[tuple[str, bytes, int]], lease_id: int
+    ) -> list[PutResult]:
+        """``update`` of each (key, value, mod_revision) on ``lease_id``, in one transaction.
+
+        Each key is written only if still at its mod revision (0: absent), independently
+        of the others; one result per item, in order. At most ``MAX_BATCH`` items.
         """
         ...
 

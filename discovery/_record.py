@@ -115,6 +115,10 @@ class EngineStatus(enum.StrEnum):
     PAUSED = "paused"
     """Up, keeping its lease and id, taking no new requests for now (weights being updated,
     memory suspended for training); ``ready`` again when resumed."""
+    STOPPING = "stopping"
+    """Going away on purpose (its engine exited, it closed, an operator deregistered it):
+    the record is deleted next. Written just before a ready engine's record is removed, so
+    routers tell a deliberate removal from an expired lease; never picked, never adopted."""
 
 
 def validate_status(status: object) -> EngineStatus:
@@ -479,6 +483,9 @@ class EngineRecord:
         Outside writers own the keys this version does not know and (with ``fields``) the
         fields declared ``adopt``, such as the status an operator set.
         """
+        # A stopping mark announces a deletion (an operator's deregister): a registrar that
+        # writes its record again afterwards keeps its own status.
+        fields = fields and found.status is not EngineStatus.STOPPING
         return dataclasses.replace(
             self,
             extra=found.extra,

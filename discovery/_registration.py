@@ -488,15 +488,38 @@ class Registration:
         settings.dial_timeout) when etcd cannot be reached: the key then expires within
         the TTL (on a shared session, when the session ends).
         """
+        deadline = time.monotonic() + (self._conn.dial_timeout if timeout is None else timeout)
+        with self._lock:
+            lease_id = self._lease_id
+        mark = self._stopping_mark()  # while the state still says whether the record is ours
         if not self._fire(_Event.CLOSE):
             self._closed.wait(timeout)  # another thread (a drain deadline) is closing it
             return
         try:
-            self._remove(timeout)
+            if mark is not None and lease_id is not None:
+                self._session.mark_stopping([mark], lease_id, deadline)
+            self._remove(max(0.0, deadline - time.monotonic()))
         finally:
             self._closed.set()
 
-    def _remove(self, timeout: float | None) -> None:
+    def _stopping_mark(self) -> tuple[str, bytes, int] | None:
+        """The ``stopping`` mark to write before a ready record goes: (key, value, revision).
+
+        None when there is nothing to announce: the record is not in etcd on our lease, or
+        it says already that the engine takes nothing (draining, paused, ...).
+        """
+        with self._lock:
+            record = self._record
+            if (
+                self._state is not RegistrationState.REGISTERED
+                or self._lease_id is None
+                or record.status is not EngineStatus.READY
+            ):
+                return None
+            value = encode(replace(record, status=EngineStatus.STOPPING))
+            return self.key, value, self._mod_revision
+
+    def _remove(self, timeout: float) -> None:
         self._keeper.cancel(self)
         if self._watch is not None:
             self._watch.remove(self)

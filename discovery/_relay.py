@@ -22,12 +22,18 @@ The relay sends:
 * ``["load", epoch, load]``: the load view, when it changed, at most ``1 / load_interval``
   times a second (10/s by default): ``{"in_flight": the sum of every live router's report,
   "routers": how many reported, "yours": the report of the router it is sent to (so it
-  knows what the others hold), "engine": what the engine reports or None}``. Reports of a
-  router not heard from for ``subscriber_timeout`` age out. (No public Megatron version
+  knows what the others hold), "counted": whether that router's report is in the sum,
+  "rank": its place among the routers that report (0 first; by their identities, the same
+  order for every router: admission gives the first ``capacity mod routers`` one slot
+  more), "engine": what the engine reports or None}``. Reports of a router not heard from for
+  ``subscriber_timeout`` age out. (No public Megatron version
   reports load on its event socket yet: ``engine`` is None until one does.)
 * ``["tick", epoch, seq]`` every ``heartbeat`` s: a subscriber that missed the last
   increments sees ``seq`` ahead of its own and asks for a snapshot; one that hears
   nothing for a few ticks knows the relay is gone.
+* ``["bye", epoch]`` when the relay closes (its launcher stops: the engine exited): the
+  state is gone now. Routers keeping the engine routable without its record (after a
+  mass lease loss) take it as the evidence that it is dead; it needs no etcd.
 
 **Never blocks the receiver.** The engine-event receiver only applies an event to the
 block set and queues the increment, under a lock also held (briefly: one copy of the
@@ -68,6 +74,7 @@ LOAD_INTERVAL = 0.1
 BACKLOG = 10_000  # increments waiting for the relay's thread
 _SNDHWM = 1000  # messages queued per subscriber before ZeroMQ drops
 _MAX_REQUEST = 1024
+_BYE_LINGER_MS = 200  # how long closing waits for the goodbye to reach routers
 
 
 @dataclass(frozen=True)
@@ -267,6 +274,8 @@ class StateRelay:
                 wait = max(0.0, min(next_tick, load_due if load_due > now else next_tick) - now)
                 ready = dict(poller.poll(int(wait * 1000)))
                 if self._stopping:
+                    self._send_all(sock, pack(["bye", self.epoch]))
+                    sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)  # the goodbye goes out first
                     return
                 if wake in ready:
                     os.read(wake, 65536)
@@ -324,18 +333,24 @@ class StateRelay:
     def _snapshot(self, pack: Any, identity: bytes) -> bytes:
         with self._lock:
             seq, hashes, load = self._seq, self._blocks.hashes(), dict(self._load())
-            load["yours"] = self._reports.get(identity, 0)
+            load.update(self._yours(identity))
         return bytes(pack(["hello", self.epoch, seq, pack_hashes(hashes), load]))
+
+    def _yours(self, identity: bytes) -> dict[str, Any]:
+        """What the load view tells one router of itself (under the lock)."""
+        counted = identity in self._reports
+        rank = sorted(self._reports).index(identity) if counted else len(self._reports)
+        return {"yours": self._reports.get(identity, 0), "counted": counted, "rank": rank}
 
     def _send_loads(self, sock: zmq.Socket[Any], pack: Any, load: dict[str, Any]) -> None:
         """The load view to each subscriber, with its own report in it."""
         import zmq  # noqa: PLC0415
 
         with self._lock:
-            reports = {identity: self._reports.get(identity, 0) for identity in self._subscribers}
-        for identity, yours in reports.items():
-            frame = pack(["load", self.epoch, {**load, "yours": yours}])
-            sock.send_multipart([identity, frame], zmq.NOBLOCK)
+            yours = {identity: self._yours(identity) for identity in self._subscribers}
+        for identity, own in yours.items():
+            view = {**load, **own}
+            sock.send_multipart([identity, pack(["load", self.epoch, view])], zmq.NOBLOCK)
 
     def _load(self) -> tuple[tuple[str, Any], ...]:
         """The load view (under the lock)."""

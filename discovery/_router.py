@@ -55,20 +55,54 @@ success resets the counts. A fenced engine is no candidate until its fence ends.
 that share of one pick's candidates (or all of them) are fenced, as can happen under a
 narrow per-call selector, that pick ignores fencing (Envoy's panic mode). ``health()``
 lists fenced and failing engines.
+
+**Admission** (``discovery._admission``; off unless the router or the pick gives
+``wait`` or the router ``capacity``): an engine at capacity (``max_num_seqs x
+logical_data_parallel_size`` by default, on the shared load view, within this router's
+share of it when several routers report to its relay) is no candidate. When no candidate
+has room the pick waits, highest ``priority`` first then first come, up to ``wait``
+seconds in a queue of ``max_waiting``, and raises ``OverloadedError`` past either bound.
+``reserve`` keeps the top share of each engine for picks of priority 1 or more.
+``apick`` is the same pick for asyncio: it waits without blocking the event loop.
+
+**Protection from mass lease loss** (``discovery._protection``): when more than
+``protect_threshold`` of the router's ready engines lose their records within
+``protect_window`` seconds without saying they were stopping, they stay routable as
+``unconfirmed`` (``health().unconfirmed``) until their records come back, one is seen
+dead (its relay says goodbye or goes silent, a request on it fails), or
+``protect_grace`` seconds pass.
+
+**Retry hooks.** ``pick(..., exclude=ids)`` never picks those engines (a retry). A held
+``PickHandle`` learns when its engine stops being a good target: removed, ``stalled``,
+``stopping``, fenced, or unconfirmed and then dead. ``handle.lost`` (the reason, or
+None), ``handle.on_lost(callback)`` and ``await handle.wait_lost()`` say so within
+milliseconds of the table or state change: cancel the request and send it again with
+``exclude``. (A draining engine finishes what it has: its handles are told only when its
+record goes at the drain deadline.)
+
+**Reasons.** ``explain(engine_id)`` says filter by filter why an engine is or is not a
+candidate right now; ``reasons()`` counts the engines per reason (a metric).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import collections
+import contextlib
 import logging
+import math
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypeVar
 
-from ._errors import NoEngineAvailableError
+from ._admission import DEFAULT_MAX_WAITING, Admission, Capacity, Waiter
+from ._errors import NoEngineAvailableError, OverloadedError
 from ._fencing import (
     DEFAULT_FENCE_AFTER,
     DEFAULT_FENCE_MAX_SECONDS,
@@ -93,21 +127,33 @@ from ._policies import (
     RoundRobinPolicy,
     RoutingPolicy,
 )
+from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossProtection
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
 from ._routing import RoutingTable
-from ._store import RoutingSnapshot
+from ._store import Batch, EventType, RoutingSnapshot
 
 if TYPE_CHECKING:
     from ._follower import EngineStates
 
-__all__ = ["PickHandle", "Router", "RouterHealth"]
+__all__ = ["Explanation", "PickHandle", "Router", "RouterHealth"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Listener = Callable[["PickHandle"], object] | asyncio.Future[str]
 
 _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
+_NO_AGES: Mapping[str, float] = MappingProxyType({})
+_NO_IDS: frozenset[str] = frozenset()
+_HELD = sys.maxsize  # a held handle's last loss to count: every one to come
+_LOST_STATUSES = {
+    EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
+    EngineStatus.STOPPING: "stopping: its engine exited or it is being deregistered",
+}
+_CHECK_EVERY = 0.1  # seconds between a pick's look at unconfirmed engines' evidence
 LATEST = "latest"
 
 
@@ -133,6 +179,20 @@ class _Versions(NamedTuple):
 _NO_VERSIONS = _Versions()
 
 
+class _Ask(NamedTuple):
+    """One pick's arguments, checked: what a waiting pick is served with later."""
+
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    selector: Mapping[str, str] | None
+    versions: _Versions
+    block_hashes: Mapping[int, Sequence[int]] | None
+    exclude: frozenset[str]
+    priority: int
+    admit: bool
+    """Admission applies: engines without room are no candidates."""
+
+
 @dataclass(frozen=True)
 class RouterHealth:
     """A point-in-time view of a Router, for health endpoints."""
@@ -150,6 +210,35 @@ class RouterHealth:
     """How many engines may be fenced at once (``max_fenced_share`` of ``engines``)."""
     kv_fallbacks: int = 0
     """``kv_aware``: candidates scored from this router's own estimate (no fresh state)."""
+    unconfirmed: Mapping[str, float] = field(default_factory=lambda: _NO_AGES)
+    """Engines kept routable after a mass lease loss: id -> seconds since their record went."""
+    waiting: int = 0
+    """Picks waiting for room (admission)."""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why an engine is or is not a candidate right now (``Router.explain``)."""
+
+    engine_id: str
+    candidate: bool
+    """Whether a pick with these arguments may choose it."""
+    reason: str
+    """``candidate``, ``unconfirmed`` (a candidate kept after a mass lease loss), or the
+    first filter that leaves it out: ``absent``, ``labels``, its status (``starting``,
+    ``draining``, ``paused``, ``stalled``, ``stopping``, or ``status`` for one this
+    version does not know), ``fit``, ``selector``, ``excluded``, ``version``, ``fenced``,
+    ``capacity``."""
+    checks: tuple[tuple[str, bool | None, str], ...]
+    """Each filter in the order a pick applies them: (name, passed, what it saw); passed
+    is None for a filter these arguments do not exercise or that an earlier one skipped."""
+
+    def __str__(self) -> str:
+        lines = [f"{self.engine_id}: {self.reason}"]
+        for name, passed, detail in self.checks:
+            mark = "-" if passed is None else ("ok" if passed else "NO")
+            lines.append(f"  {mark:>2} {name}: {detail}")
+        return "\n".join(lines)
 
 
 class _Pool:
@@ -167,26 +256,73 @@ class PickHandle(RecordView):
 
     A context manager: leaving the ``with`` block releases it (an exception leaving the
     block reports no outcome; call ``release(failed=True)`` for a failure). ``release()``
-    is idempotent and never fails, also after the engine left the table.
+    is idempotent and never fails, also after the engine left the table. While held, it
+    learns when its engine stops being a good target (``lost``, ``on_lost``,
+    ``wait_lost``): cancel the request and pick again with ``exclude``.
     """
 
-    __slots__ = ("_engine", "_released", "_router", "matched_tokens", "policy", "record")
+    __slots__ = (
+        "_engine",
+        "_released",
+        "_router",
+        "_since",
+        "_until",
+        "matched_tokens",
+        "policy",
+        "record",
+        "waited",
+    )
 
-    def __init__(self, router: Router, engine: Candidate, policy: str, matched_tokens: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        engine: Candidate,
+        policy: str,
+        matched_tokens: int,
+        waited: float = 0.0,
+    ) -> None:
         self._router = router
         self._engine = engine
         self._released = False
+        self._since = router._losses  # losses of its engine after this one count...
+        self._until = _HELD  # ...until it is released
         self.record: EngineRecord = engine.record
         """The chosen engine's record, as it was when picked."""
         self.policy = policy
         """The policy that chose the engine (a fallback shows as ``load_balanced``)."""
         self.matched_tokens = matched_tokens
         """For ``longest_prefix``: prompt tokens the engine was recently sent; else 0."""
+        self.waited = waited
+        """Seconds the pick waited for room (admission); 0 when it did not wait."""
 
     @property
     def released(self) -> bool:
         """Whether ``release()`` has run."""
         return self._released
+
+    @property
+    def lost(self) -> str | None:
+        """Why the engine stopped being a good target while held (None: it has not)."""
+        return _lost(self)
+
+    def on_lost(self, callback: Callable[[PickHandle], object]) -> None:
+        """Call ``callback(handle)`` once if the engine stops being a good target while held.
+
+        It runs on the table's event thread, never under a lock of the router; at once,
+        on this thread, if that happened already. Never after ``release()``.
+        """
+        if not self._router._listen(self, callback):
+            callback(self)
+
+    async def wait_lost(self) -> str:
+        """Wait (without blocking the loop) until the engine is lost; returns the reason.
+
+        Never returns after the handle was released while held: cancel the wait then.
+        """
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if not self._router._listen(self, future):
+            return _lost(self) or ""
+        return await future
 
     def release(self, *, failed: bool = False) -> None:
         """Stop counting this request against its engine; ``failed`` reports a failure.
@@ -204,7 +340,47 @@ class PickHandle(RecordView):
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
-        return f"<PickHandle {self.engine_id} policy={self.policy} {state}>"
+        reason = _lost(self)
+        lost = f" lost={reason!r}" if reason else ""
+        return f"<PickHandle {self.engine_id} policy={self.policy} {state}{lost}>"
+
+
+def _lost(handle: PickHandle) -> str | None:
+    """The first loss of ``handle``'s engine after it was picked (None: none yet)."""
+    losses = handle._engine._losses
+    if losses:
+        for count, reason in losses:
+            if handle._since < count <= handle._until:
+                return reason
+    return None
+
+
+class _TableSink:
+    """The router's sink on the table's store: batches, kept in order with their time.
+
+    Called under the store's lock: it only queues, and wakes the router on the store's
+    event thread when someone waits on what the batch may say.
+    """
+
+    def __init__(self, router: Router) -> None:
+        self._router = weakref.ref(router)
+
+    def deliver(self, batch: Batch) -> None:
+        router = self._router()
+        if router is None:
+            return
+        router._batches.append((batch, router._fences.now()))
+        if router._watching():
+            router._table.store.dispatcher.submit(_process, self._router)
+
+    def close(self) -> None:
+        """The store closed: nothing more comes."""
+
+
+def _process(ref: weakref.ref[Router]) -> None:
+    router = ref()
+    if router is not None:
+        router._process()
 
 
 class Router:
@@ -223,9 +399,14 @@ class Router:
     ``max_fenced_share`` the share of engines that may be fenced at once, ``clock`` the
     time source (seconds). Weight versions: ``weight_version="latest"``,
     ``min_weight_version`` and ``max_version_lag`` (see the module docs; none: versions
-    are not looked at). The table must be started (or fed) separately; the router owns
-    no thread and needs no closing. ``metrics`` counts picks, failures and fences and
-    exports in-flight requests and fenced engines.
+    are not looked at). Admission: ``capacity`` (a number, or a function of the record;
+    default the record's), ``wait`` (seconds a pick waits for room), ``max_waiting``,
+    ``reserve`` (see ``discovery._admission``); off unless ``capacity`` or ``wait`` is
+    given here or ``wait`` per pick. Mass lease loss: ``protect_threshold`` (None: never
+    protect), ``protect_window``, ``protect_grace`` (see ``discovery._protection``). The
+    table must be started (or fed) separately; the router owns no thread and needs no
+    closing. ``metrics`` counts picks, failures and fences and exports in-flight
+    requests, fenced and unconfirmed engines, and engines per reason.
     """
 
     def __init__(
@@ -249,6 +430,13 @@ class Router:
         max_version_lag: int | None = None,
         states: EngineStates | None = None,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
+        capacity: Capacity | None = None,
+        wait: float | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        reserve: float = 0.0,
+        protect_threshold: float | None = DEFAULT_THRESHOLD,
+        protect_window: float = DEFAULT_WINDOW,
+        protect_grace: float = DEFAULT_GRACE,
     ) -> None:
         self._policy = _policy_argument(policy)
         if self._policy is RoutingPolicy.KV_AWARE and states is None:
@@ -265,8 +453,24 @@ class Router:
                 prefix_index_blocks=prefix_index_blocks,
             ),
         }
+        self._admission = Admission(
+            capacity=capacity, wait=wait or 0.0, max_waiting=max_waiting, reserve=reserve
+        )
+        self._admit = capacity is not None or wait is not None
+        self._fences = FenceBook(
+            after=fence_after,
+            seconds=fence_seconds,
+            max_seconds=fence_max_seconds,
+            max_share=max_fenced_share,
+            clock=clock,
+        )
+        self._protection: LossProtection[Candidate] = LossProtection(
+            threshold=protect_threshold, window=protect_window, grace=protect_grace, clock=clock
+        )
         self._states = states
-        self._load_changes = None if states is None else states.load_changes()
+        self._load_changes = (
+            None if states is None else states.load_changes(notify=self._load_changed)
+        )
         if states is not None:
             states.add_load_source(self.in_flight)  # one load view across routers
             self._builtins[RoutingPolicy.KV_AWARE] = KvAwarePolicy(
@@ -275,17 +479,8 @@ class Router:
                 load_weight=load_weight,
                 prefix_index_blocks=prefix_index_blocks,
             )
-        self._fences = FenceBook(
-            after=fence_after,
-            seconds=fence_seconds,
-            max_seconds=fence_max_seconds,
-            max_share=max_fenced_share,
-            clock=clock,
-        )
         self._table = table
         self._metrics = metrics or NO_METRICS
-        if metrics is not None:
-            metrics.observe_router(self)
         self._selector = MappingProxyType(dict(selector or {}))
         self._statuses = frozenset(validate_status(status) for status in statuses)
         self._lock = threading.Lock()
@@ -294,8 +489,16 @@ class Router:
         self._ordered: tuple[Candidate, ...] = ()  # by context_length, longest first
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
-        self._pools: dict[tuple[tuple[tuple[str, str], ...], int, _Versions], _Pool] = {}
+        self._pools: dict[tuple[object, ...], _Pool] = {}
         self._warned: set[object] = set()
+        self._held = 0  # unreleased handles, over every engine
+        self._losses = 0  # engines that stopped being good targets, counted
+        self._next_check = 0.0  # when a pick next looks at unconfirmed engines' evidence
+        self._notices: list[tuple[PickHandle, Listener, str]] = []  # told after the lock
+        self._batches: collections.deque[tuple[Batch, float]] = collections.deque()
+        weakref.finalize(self, table.store.add_sink(_TableSink(self), replay=False))
+        if metrics is not None:
+            metrics.observe_router(self)
 
     @property
     def policy(self) -> RoutingPolicy | Policy:
@@ -317,6 +520,9 @@ class Router:
         min_weight_version: int | None = None,
         max_version_lag: int | None = None,
         block_hashes: Mapping[int, Sequence[int]] | None = None,
+        exclude: Collection[str] | None = None,
+        wait: float | None = None,
+        priority: int = 0,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
@@ -327,55 +533,183 @@ class Router:
         size, when you have them already (a frontend keeping each conversation's chain
         hashes only the blocks a turn adds): ``kv_aware`` then hashes nothing; a block
         size it lacks is hashed as usual, the other policies ignore it. Each entry must
-        hold one hash per complete block (ValueError otherwise). Returns a held PickHandle;
-        raises NoEngineAvailableError when no engine passes the filters.
+        hold one hash per complete block (ValueError otherwise). ``exclude``: engine ids
+        never to pick (a retry). ``wait``: seconds to wait for room (admission; turns it on
+        for this pick; default the router's), ``priority``: higher first (see
+        ``discovery._admission``). Returns a held PickHandle; raises NoEngineAvailableError
+        when no engine passes the filters, OverloadedError when none had room in time.
         """
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise TypeError("max_tokens must be an integer")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if block_hashes is not None:
-            _check_block_hashes(block_hashes, len(prompt_tokens))
-        versions = (
-            self._versions
-            if weight_version is None and min_weight_version is None and max_version_lag is None
-            else _Versions.of(weight_version, min_weight_version, max_version_lag)
+        ask, timeout = self._ask(
+            prompt_tokens,
+            max_tokens,
+            selector=selector,
+            weight_version=weight_version,
+            min_weight_version=min_weight_version,
+            max_version_lag=max_version_lag,
+            block_hashes=block_hashes,
+            exclude=exclude,
+            wait=wait,
+            priority=priority,
+        )
+        with self._lock:
+            handle = self._first_try_locked(ask, timeout)
+            if handle is None:
+                waiter = self._queue_locked(ask, event=threading.Event())
+        if handle is not None:
+            self._picked(handle)
+            return handle
+        assert waiter.event is not None
+        started = waiter.started
+        deadline = started + timeout
+        while not waiter.event.wait(self._next_wake(deadline)):
+            if time.monotonic() >= deadline:
+                break
+            self._process()  # a fence ran out, an unconfirmed engine may be dead
+        return self._outcome(waiter, started)
+
+    async def apick(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        *,
+        selector: Mapping[str, str] | None = None,
+        weight_version: Literal["latest"] | None = None,
+        min_weight_version: int | None = None,
+        max_version_lag: int | None = None,
+        block_hashes: Mapping[int, Sequence[int]] | None = None,
+        exclude: Collection[str] | None = None,
+        wait: float | None = None,
+        priority: int = 0,
+    ) -> PickHandle:
+        """``pick`` for asyncio: waits for room without blocking the event loop.
+
+        The pick itself takes the router's lock for microseconds, as ``pick`` does;
+        cancelling the coroutine gives its place up (and a handle served meanwhile back).
+        """
+        ask, timeout = self._ask(
+            prompt_tokens,
+            max_tokens,
+            selector=selector,
+            weight_version=weight_version,
+            min_weight_version=min_weight_version,
+            max_version_lag=max_version_lag,
+            block_hashes=block_hashes,
+            exclude=exclude,
+            wait=wait,
+            priority=priority,
+        )
+        with self._lock:
+            handle = self._first_try_locked(ask, timeout)
+            if handle is None:
+                future: asyncio.Future[PickHandle] = asyncio.get_running_loop().create_future()
+                waiter = self._queue_locked(ask, future=future)
+        if handle is not None:
+            self._picked(handle)
+            return handle
+        started = waiter.started
+        deadline = started + timeout
+        try:
+            while not future.done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await asyncio.wait([future], timeout=self._next_wake(deadline))
+                if not future.done():
+                    self._process()
+        except asyncio.CancelledError:
+            with self._lock:
+                self._admission.remove(waiter)
+                served = waiter.handle
+            if served is not None:
+                served.release()  # no outcome: the caller gave up, the engine did nothing
+            raise
+        return self._outcome(waiter, started)
+
+    def explain(
+        self,
+        engine_id: str,
+        prompt_tokens: Sequence[int] | None = None,
+        max_tokens: int = 0,
+        *,
+        selector: Mapping[str, str] | None = None,
+        weight_version: Literal["latest"] | None = None,
+        min_weight_version: int | None = None,
+        max_version_lag: int | None = None,
+        exclude: Collection[str] | None = None,
+        priority: int = 0,
+    ) -> Explanation:
+        """Why ``engine_id`` is or is not a candidate right now, filter by filter.
+
+        With a request (``prompt_tokens`` and ``max_tokens``) the fit filter runs too;
+        the other arguments are a pick's. Capacity is judged as the router's admission
+        would (when admission is off it is shown but never excludes).
+        """
+        ask, _ = self._ask(
+            prompt_tokens or (),
+            max_tokens,
+            selector=selector,
+            weight_version=weight_version,
+            min_weight_version=min_weight_version,
+            max_version_lag=max_version_lag,
+            block_hashes=None,
+            exclude=exclude,
+            wait=None,
+            priority=priority,
         )
         with self._lock:
             self._refresh_locked()
-            try:
-                pool = self._pool_locked(selector, len(prompt_tokens), max_tokens, versions)
-            except NoEngineAvailableError:
-                self._metrics.no_engine()
-                raise
-            policy = pool.policy
-            choice = policy.choose(
-                pool.candidates,
-                PickRequest(prompt_tokens, max_tokens, selector or _NO_LABELS, block_hashes),
-            )
-            if isinstance(choice, Choice):
-                engine, credited, matched = choice
-                name = credited or policy.name
-            else:
-                engine, name, matched = choice, policy.name, 0
-            if policy is self._policy:  # the user's own: check what it answered
-                _check_choice(policy, engine, pool.candidates)
-            engine._acquire()
-        self._metrics.picked(name)
-        return PickHandle(self, engine, name, matched)
+            explanation = self._explain_locked(engine_id, ask, prompt_tokens is not None)
+        self._deliver_notices()
+        return explanation
+
+    def reasons(self) -> dict[str, int]:
+        """How many engines the router sees per reason (``Explanation.reason``), no request."""
+        ask, _ = self._ask(
+            (),
+            0,
+            selector=None,
+            weight_version=None,
+            min_weight_version=None,
+            max_version_lag=None,
+            block_hashes=None,
+            exclude=None,
+            wait=None,
+            priority=0,
+        )
+        counts: dict[str, int] = {}
+        with self._lock:
+            self._refresh_locked()
+            for engine_id in self._engines:
+                reason = self._explain_locked(engine_id, ask, False).reason
+                counts[reason] = counts.get(reason, 0) + 1
+        self._deliver_notices()
+        return counts
+
+    def engines(self) -> dict[str, EngineRecord]:
+        """Every engine the router sees, by id: the table's with its labels, and unconfirmed ones.
+
+        An unconfirmed engine (kept after a mass lease loss) shows its last record.
+        """
+        with self._lock:
+            self._refresh_locked()
+            records = {engine_id: e.record for engine_id, e in self._engines.items()}
+        self._deliver_notices()
+        return records
 
     def in_flight(self) -> dict[str, int]:
         """Unreleased handles per engine currently in the table (and the router's selector)."""
         with self._lock:
             self._refresh_locked()
-            return {engine_id: e.in_flight for engine_id, e in self._engines.items()}
+            counts = {engine_id: e.in_flight for engine_id, e in self._engines.items()}
+        self._deliver_notices()
+        return counts
 
     def health(self) -> RouterHealth:
-        """A point-in-time view: engines, in-flight requests, fenced and failing engines."""
+        """A point-in-time view: engines, in-flight requests, fenced, unconfirmed, waiting."""
         with self._lock:
             self._refresh_locked()
             now = self._fences.now()
-            return RouterHealth(
+            health = RouterHealth(
                 policy=self._policy_name,
                 engines=len(self._engines),
                 in_flight=sum(e.in_flight for e in self._engines.values()),
@@ -385,7 +719,11 @@ class Router:
                 failing=MappingProxyType(self._fences.failures()),
                 fence_limit=self._fences.limit(len(self._engines)),
                 kv_fallbacks=getattr(self._builtins.get(RoutingPolicy.KV_AWARE), "fallbacks", 0),
+                unconfirmed=MappingProxyType(self._protection.ages()),
+                waiting=len(self._admission.waiters),
             )
+        self._deliver_notices()
+        return health
 
     def __repr__(self) -> str:
         engines = len(self._engines)
@@ -397,7 +735,216 @@ class Router:
     def _policy_name(self) -> str:
         return self._policy.name if isinstance(self._policy, Policy) else self._policy.value
 
-    # -- outcomes ----------------------------------------------------------------------
+    # -- picking -----------------------------------------------------------------------
+
+    def _ask(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        *,
+        selector: Mapping[str, str] | None,
+        weight_version: Literal["latest"] | None,
+        min_weight_version: int | None,
+        max_version_lag: int | None,
+        block_hashes: Mapping[int, Sequence[int]] | None,
+        exclude: Collection[str] | None,
+        wait: float | None,
+        priority: int,
+    ) -> tuple[_Ask, float]:
+        """The pick's arguments, checked, and how long it may wait for room."""
+        # type() is: the common case costs one comparison (bool is an int subclass: refused)
+        if type(max_tokens) is not int and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+        ):
+            raise TypeError("max_tokens must be an integer")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if block_hashes is not None:
+            _check_block_hashes(block_hashes, len(prompt_tokens))
+        if type(priority) is not int and (
+            isinstance(priority, bool) or not isinstance(priority, int)
+        ):
+            raise TypeError(f"priority must be an integer, not {type(priority).__name__}")
+        if not exclude:
+            excluded = _NO_IDS
+        elif isinstance(exclude, str):
+            raise TypeError("exclude must be a collection of engine ids, not a string")
+        else:
+            excluded = frozenset(exclude)
+        versions = (
+            self._versions
+            if weight_version is None and min_weight_version is None and max_version_lag is None
+            else _Versions.of(weight_version, min_weight_version, max_version_lag)
+        )
+        if wait is None:
+            admit = self._admit
+            timeout = self._admission.wait if admit else 0.0
+        elif 0 <= wait < math.inf:
+            admit, timeout = True, wait
+        else:
+            raise ValueError(f"wait must be >= 0 seconds and finite, got {wait!r}")
+        ask = _Ask(
+            prompt_tokens, max_tokens, selector, versions, block_hashes, excluded, priority, admit
+        )
+        return ask, timeout
+
+    def _first_try_locked(self, ask: _Ask, timeout: float) -> PickHandle | None:
+        """Pick at once if there is room; None: the pick must wait (it may)."""
+        self._refresh_locked()
+        if self._admission.waiters:
+            self._serve_locked()  # those waiting come first
+        try:
+            handle = self._try_locked(ask, None)
+        except NoEngineAvailableError:
+            self._metrics.no_engine()
+            raise
+        if handle is not None:
+            return handle
+        queued = len(self._admission.waiters)
+        if timeout <= 0 or queued >= self._admission.max_waiting:
+            self._metrics.overloaded()
+            why = "no wait allowed" if timeout <= 0 else f"{queued} picks wait already"
+            raise self._overloaded_locked(ask, 0.0, why)
+        return None
+
+    def _queue_locked(
+        self,
+        ask: _Ask,
+        *,
+        event: threading.Event | None = None,
+        future: asyncio.Future[PickHandle] | None = None,
+    ) -> Waiter[PickHandle]:
+        key = self._pool_key_locked(ask)
+        started = time.monotonic()
+        waiter = Waiter(ask, key, ask.priority, started, event=event, future=future)
+        self._admission.enqueue(waiter)
+        return waiter
+
+    def _outcome(self, waiter: Waiter[PickHandle], started: float) -> PickHandle:
+        """A waiting pick's end: its handle, or OverloadedError when its wait ran out."""
+        with self._lock:
+            self._admission.remove(waiter)
+            handle = waiter.handle
+            if handle is None:
+                error = self._overloaded_locked(
+                    waiter.ask, time.monotonic() - started, "its wait ran out"
+                )
+        if handle is None:
+            self._metrics.overloaded()
+            raise error
+        self._picked(handle)
+        return handle
+
+    def _next_wake(self, deadline: float) -> float:
+        """Seconds a waiting pick sleeps before it looks again (a fence end, its deadline)."""
+        now = time.monotonic()
+        wake = deadline
+        if self._fences.fenced:
+            wake = min(wake, now + _CHECK_EVERY)
+        if self._protection.unconfirmed:
+            wake = min(wake, now + _CHECK_EVERY)
+        return max(0.0, wake - now)
+
+    def _picked(self, handle: PickHandle) -> None:
+        self._metrics.picked(handle.policy)
+        self._deliver_notices()
+
+    def _try_locked(self, ask: _Ask, started: float | None) -> PickHandle | None:
+        """The engine for ``ask`` now, held; None when admission finds no room.
+
+        ``started``: when a waiting pick began to wait (None: it did not).
+        """
+        pool = self._pool_locked(ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions)
+        candidates = pool.candidates
+        if ask.exclude:
+            candidates = tuple(e for e in candidates if e.engine_id not in ask.exclude)
+            if not candidates:
+                raise NoEngineAvailableError(
+                    f"every one of the {len(pool.candidates)} candidate engines is excluded "
+                    f"({', '.join(sorted(ask.exclude))})"
+                )
+        policy = pool.policy
+        request = PickRequest(
+            ask.prompt_tokens, ask.max_tokens, ask.selector or _NO_LABELS, ask.block_hashes
+        )
+        choice = policy.choose(candidates, request)
+        engine = choice.candidate if isinstance(choice, Choice) else choice
+        if policy is self._policy:  # the user's own: check what it answered
+            _check_choice(policy, engine, candidates)
+        if ask.admit and not self._admission.has_room(engine, ask.priority):
+            has_room = self._admission.has_room
+            candidates = tuple(e for e in candidates if has_room(e, ask.priority))
+            if not candidates:
+                return None
+            choice = policy.choose(candidates, request)
+            engine = choice.candidate if isinstance(choice, Choice) else choice
+            if policy is self._policy:
+                _check_choice(policy, engine, candidates)
+        if isinstance(choice, Choice):
+            _, credited, matched = choice
+            name = credited or policy.name
+        else:
+            name, matched = policy.name, 0
+        engine._acquire()
+        self._held += 1
+        waited = 0.0 if started is None else time.monotonic() - started
+        return PickHandle(self, engine, name, matched, waited)
+
+    def _serve_locked(self) -> None:
+        """Give room to waiting picks, in their order (a set without room is tried once)."""
+        full: set[object] = set()
+        for waiter in list(self._admission.waiters):
+            if waiter.key in full:
+                continue
+            try:
+                handle = self._try_locked(waiter.ask, waiter.started)
+            except NoEngineAvailableError:
+                handle = None  # its engines went: it waits on (or times out) as it is
+            if handle is None:
+                full.add(waiter.key)
+                continue
+            self._admission.remove(waiter)
+            waiter.handle = handle
+            if waiter.event is not None:
+                waiter.event.set()
+            elif waiter.future is not None:
+                _resolve(waiter.future, handle)
+
+    def _overloaded_locked(self, ask: _Ask, waited: float, why: str) -> OverloadedError:
+        try:
+            pool = self._pool_locked(
+                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions
+            )
+            engines = pool.candidates
+        except NoEngineAvailableError:
+            engines = ()
+        capacity = sum(self._admission.limit(e) for e in engines)
+        load = sum(e.load for e in engines)
+        queued = len(self._admission.waiters)
+        return OverloadedError(
+            f"no engine has room: the {len(engines)} candidates run {load} requests of their "
+            f"capacity {capacity}"
+            + (
+                f" (priority {ask.priority}, reserve {self._admission.reserve:.0%})"
+                if self._admission.reserve and ask.priority <= 0
+                else ""
+            )
+            + f"; waited {waited:.3f} s ({why}), {queued} picks waiting",
+            capacity=capacity,
+            load=load,
+            waited=waited,
+            queued=queued,
+        )
+
+    def _pool_key_locked(self, ask: _Ask) -> object:
+        return (
+            tuple(sorted(ask.selector.items())) if ask.selector else (),
+            self._fit_locked(len(ask.prompt_tokens) + ask.max_tokens),
+            ask.versions,
+            ask.exclude,
+        )
+
+    # -- outcomes and notices ----------------------------------------------------------
 
     def _release(self, handle: PickHandle, failed: bool | None) -> None:
         """Release ``handle`` once; ``failed`` is its outcome (None: unknown)."""
@@ -406,37 +953,173 @@ class Router:
             if handle._released:
                 return
             handle._released = True
+            handle._until = self._losses
             engine = handle._engine
             engine._release()
+            if engine._listening:  # nothing more to tell it
+                engine._listening = [entry for entry in engine._listening if entry[0] is not handle]
+            self._held -= 1
             # A handle of an engine that left the table holds a detached Candidate.
             if failed is not None and self._engines.get(engine.engine_id) is engine:
                 if failed:
-                    outcome = self._fences.failed(engine.engine_id, len(self._engines))
-                    if outcome == "fenced":
-                        self._pools.clear()
+                    outcome = self._failed_locked(engine)
                 else:
                     self._fences.succeeded(engine.engine_id)
+            if self._admission.waiters:
+                self._serve_locked()
         if failed:
             self._metrics.request_failed(outcome)
+        self._deliver_notices()
+
+    def _failed_locked(self, engine: Candidate) -> str:
+        engine_id = engine.engine_id
+        if engine_id in self._protection.unconfirmed:
+            self._protection.dead(engine_id, "a request on it failed")
+            self._evict_locked(engine, "unconfirmed, and a request on it failed")
+            return "evicted"
+        outcome = self._fences.failed(engine_id, len(self._engines))
+        if outcome == "fenced":
+            self._pools.clear()
+            self._lose_locked(engine, "fenced: too many requests on it failed in a row")
+        return outcome
+
+    def _listen(self, handle: PickHandle, listener: Listener) -> bool:
+        """Keep ``listener`` for when ``handle`` is lost; False if it is lost already."""
+        with self._lock:
+            if _lost(handle) is not None:
+                return False
+            if not handle._released:  # a released handle hears nothing more
+                engine = handle._engine
+                engine._listening = [*(engine._listening or ()), (handle, listener)]
+            return True
+
+    def _lose_locked(self, engine: Candidate, reason: str) -> None:
+        """Handles held on ``engine`` are lost now (their listeners told after the lock)."""
+        self._losses += 1
+        engine._losses = [*(engine._losses or ()), (self._losses, reason)]
+        listening, engine._listening = engine._listening, None
+        for handle, listener in listening or ():
+            self._notices.append((handle, listener, reason))
+
+    def _deliver_notices(self) -> None:
+        """Tell lost handles' listeners, outside the lock (callbacks on the event thread)."""
+        if not self._notices:
+            return
+        with self._lock:
+            notices, self._notices = self._notices, []
+        dispatcher = self._table.store.dispatcher
+        for handle, listener, reason in notices:
+            if isinstance(listener, asyncio.Future):
+                _resolve(listener, reason)
+            else:
+                dispatcher.submit(listener, handle)
+
+    def _watching(self) -> bool:
+        """Whether a batch must be looked at now, not at the next pick."""
+        return bool(self._held or self._admission.waiters or self._protection.unconfirmed)
+
+    def _process(self) -> None:
+        """Catch up now (a batch, a relayed load, a fence end): serve waiters, tell handles."""
+        with self._lock:
+            self._refresh_locked()
+            if self._admission.waiters:
+                self._serve_locked()
+        self._deliver_notices()
+
+    def _load_changed(self) -> None:
+        """The states' thread: some engine's relayed load or freshness changed."""
+        if self._admission.waiters or self._protection.unconfirmed:
+            self._process()
 
     # -- table changes -----------------------------------------------------------------
 
     def _refresh_locked(self) -> None:
-        """Catch up with the table and with fences that ran out."""
+        """Catch up with the table, fences that ran out and what relays report."""
         snapshot = self._table.snapshot()
-        if snapshot is not self._snapshot:
-            self._sync_locked(snapshot)
-        if self._fences.expire():
-            self._pools.clear()
+        if self._batches:
+            self._take_batches_locked(snapshot)
         changes = self._load_changes
         if changes:  # what other routers hold: only the engines whose figure changed
             while changes:
                 engine = self._engines.get(changes.popleft())
                 if engine is not None:
-                    engine._set_others(self._others(engine.engine_id))
+                    engine._set_others(*self._share(engine.engine_id))
+                    if engine.engine_id in self._protection.unconfirmed:
+                        self._next_check = 0.0  # its relay spoke (or went silent)
+        if self._protection.unconfirmed and self._fences.now() >= self._next_check:
+            self._check_unconfirmed_locked()  # before the sync: an eviction rebuilds
+        if snapshot is not self._snapshot:
+            self._sync_locked(snapshot)
+        if self._fences.expire():
+            self._pools.clear()
+
+    def _take_batches_locked(self, snapshot: RoutingSnapshot) -> None:
+        """Read the batches ``snapshot`` includes: removals, returns, statuses that lose."""
+        batches = self._batches
+        while batches and batches[0][0][0].revision <= snapshot.revision:
+            batch, _ = batches.popleft()
+            unannounced: list[tuple[str, Candidate]] = []  # ready records that just went
+            for event in batch:
+                engine_id = event.engine_id
+                engine = self._engines.get(engine_id)
+                if event.type is not EventType.REMOVED:
+                    if self._protection.back(engine_id):
+                        self._unhold_locked(engine_id)
+                        self._snapshot = None  # an ordinary engine again: rebuild
+                    if engine is not None and event.record.status in _LOST_STATUSES:
+                        self._lose_locked(engine, _LOST_STATUSES[event.record.status])
+                elif engine is not None:  # else never a candidate here (labels), or gone
+                    if event.record.status is EngineStatus.READY:
+                        unannounced.append((engine_id, engine))
+                    else:
+                        self._lose_locked(engine, "removed: its record is gone")
+            if unannounced:
+                self._lost_locked(unannounced, snapshot)
+
+    def _lost_locked(self, engines: list[tuple[str, Candidate]], snapshot: RoutingSnapshot) -> None:
+        """Ready engines whose records went unannounced: kept unconfirmed, or evicted."""
+        ready = sum(
+            r.status is EngineStatus.READY and r.matches(self._selector) for r in snapshot.values()
+        )
+        kept = self._protection.lost(engines, ready)
+        if not kept:
+            for _, engine in engines:
+                self._lose_locked(engine, "removed: its record is gone")
+            return
+        self._metrics.unconfirmed(len(kept))
+        for engine in kept:
+            self._hold_locked(engine)
+        self._snapshot = None
+
+    def _check_unconfirmed_locked(self) -> None:
+        """Evict unconfirmed engines that are dead by their relay, or kept for ``grace``."""
+        self._next_check = self._fences.now() + _CHECK_EVERY
+        states = self._states
+        for engine_id, candidate in list(self._protection.kept()):
+            if states is not None and candidate.record.state_address and states.silent(engine_id):
+                self._protection.dead(engine_id, "its state relay went silent or said goodbye")
+                self._evict_locked(candidate, "unconfirmed, and its state relay went silent")
+        for candidate in self._protection.expired():
+            self._evict_locked(candidate, "unconfirmed for longer than protect_grace")
+
+    def _evict_locked(self, engine: Candidate, reason: str) -> None:
+        """An unconfirmed engine goes: its handles are lost, the candidates rebuilt."""
+        self._unhold_locked(engine.engine_id)
+        self._lose_locked(engine, reason)
+        self._snapshot = None
+
+    def _hold_locked(self, engine: Candidate) -> None:
+        if self._states is not None and engine.record.state_address:
+            self._states.hold(engine.engine_id, engine.record.state_address)
+
+    def _unhold_locked(self, engine_id: str) -> None:
+        if self._states is not None:
+            engine = self._engines.get(engine_id)
+            if engine is not None and engine.record.state_address:
+                self._states.unhold(engine_id)
 
     def _sync_locked(self, snapshot: RoutingSnapshot) -> None:
-        """Rebuild the derived state for a new table snapshot."""
+        """Rebuild the derived state for a new table snapshot (and the unconfirmed engines)."""
         engines: dict[str, Candidate] = {}
         for engine_id, record in snapshot.items():
             if not record.matches(self._selector):
@@ -445,16 +1128,19 @@ class Router:
             if engine is None:
                 engine = Candidate(record)
                 if self._states is not None:
-                    engine._set_others(self._others(engine_id))
+                    engine._set_others(*self._share(engine_id))
             elif engine.record is not record:
                 if record.endpoint.capabilities.kv_cache_block_size != engine.block_size:
                     self._forget_locked(engine_id)  # its hashes no longer describe its blocks
                 engine._update(record)  # keeps its in-flight count
             engines[engine_id] = engine
+        for engine_id, engine in self._protection.kept():
+            engines.setdefault(engine_id, engine)
         for engine_id in self._engines.keys() - engines.keys():
             # Its handles still release, into the now detached Candidate they hold.
             self._forget_locked(engine_id)
             self._fences.forget(engine_id)
+            self._admission.forget(engine_id)
         # Engines of other statuses stay known (their in-flight counts) but are no candidates.
         candidates = (e for e in engines.values() if e.record.status in self._statuses)
         ordered = sorted(candidates, key=lambda e: (-e.context_length, e.engine_id))
@@ -465,10 +1151,10 @@ class Router:
         self._pools.clear()
         self._snapshot = snapshot
 
-    def _others(self, engine_id: str) -> int:
-        """What other routers hold on the engine (0 without fresh state: ours alone)."""
+    def _share(self, engine_id: str) -> tuple[int, int, int]:
+        """What other routers hold, how many report, our rank (0, 1, 0 without state)."""
         assert self._states is not None
-        return self._states.others(engine_id) or 0
+        return self._states.share(engine_id) or (0, 1, 0)
 
     def _forget_locked(self, engine_id: str) -> None:
         for policy in self._builtins.values():
@@ -478,6 +1164,12 @@ class Router:
 
     # -- candidates --------------------------------------------------------------------
 
+    def _fit_locked(self, need: int) -> int:
+        """How many of the ordered candidates fit ``need`` tokens (they are a prefix)."""
+        if need <= self._min_context:
+            return len(self._ordered)
+        return bisect.bisect_right(self._neg_context, -need)
+
     def _pool_locked(
         self,
         selector: Mapping[str, str] | None,
@@ -486,13 +1178,7 @@ class Router:
         versions: _Versions = _NO_VERSIONS,
     ) -> _Pool:
         """The candidates of one pick: every filter runs here (fit, labels, versions, fences)."""
-        need = prompt_len + max_tokens
-        # Engines are ordered longest context first, so those that fit are a prefix.
-        fit = (
-            len(self._ordered)
-            if need <= self._min_context
-            else bisect.bisect_right(self._neg_context, -need)
-        )
+        fit = self._fit_locked(prompt_len + max_tokens)
         key = (tuple(sorted(selector.items())) if selector else (), fit, versions)
         pool = self._pools.get(key)
         if pool is None:
@@ -532,7 +1218,7 @@ class Router:
         self, selector: Mapping[str, str] | None, prompt_len: int, max_tokens: int
     ) -> NoEngineAvailableError:
         total = len(self._snapshot or ())
-        if not total:
+        if not total and not self._engines:
             return NoEngineAvailableError(
                 "the routing table is empty: no engine is registered in its namespace, or "
                 "the table has not been started"
@@ -562,6 +1248,144 @@ class Router:
             f"max_tokens {max_tokens}): the largest context_length among the "
             f"{len(matching)} matching engines is {matching[0].context_length}"
         )
+
+    def _explain_locked(self, engine_id: str, ask: _Ask, with_request: bool) -> Explanation:
+        """Run a pick's filters on one engine, in the pick's order (see ``explain``)."""
+        checks: list[tuple[str, bool | None, str]] = []
+
+        def verdict(candidate: bool, reason: str) -> Explanation:
+            return Explanation(engine_id, candidate, reason, tuple(checks))
+
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            record = self._snapshot.get(engine_id) if self._snapshot is not None else None
+            if record is None:
+                checks.append(("table", False, "not in the routing table"))
+                return verdict(False, "absent")
+            checks.append(("table", True, "in the routing table"))
+            checks.append(("labels", False, f"lacks the router's labels {dict(self._selector)}"))
+            return verdict(False, "labels")
+        ages = self._protection.ages()
+        unconfirmed = ages.get(engine_id)
+        checks.append(
+            (
+                "table",
+                True,
+                "in the routing table"
+                if unconfirmed is None
+                else f"unconfirmed: its record went {unconfirmed:.1f} s ago in a mass lease "
+                "loss, kept routable until it comes back or the engine is seen dead",
+            )
+        )
+        checks.append(("labels", True, f"carries the router's labels {dict(self._selector)}"))
+        status = engine.record.status
+        if status not in self._statuses:
+            checks.append(
+                ("status", False, f"{status}; candidates are {', '.join(sorted(self._statuses))}")
+            )
+            return verdict(False, status.value if isinstance(status, EngineStatus) else "status")
+        checks.append(("status", True, str(status)))
+        reason = self._explain_request_locked(engine, ask, with_request, checks)
+        if reason is None:
+            reason = self._explain_pool_locked(engine, ask, checks)
+        if reason is not None:
+            return verdict(False, reason)
+        return verdict(True, "candidate" if unconfirmed is None else "unconfirmed")
+
+    def _explain_request_locked(
+        self,
+        engine: Candidate,
+        ask: _Ask,
+        with_request: bool,
+        checks: list[tuple[str, bool | None, str]],
+    ) -> str | None:
+        """The filters of the request itself: fit, selector, exclude; the failing one."""
+        need = len(ask.prompt_tokens) + ask.max_tokens
+        if with_request:
+            fits = engine.context_length >= need
+            checks.append(("fit", fits, f"context_length {engine.context_length}, needs {need}"))
+            if not fits:
+                return "fit"
+        else:
+            checks.append(("fit", None, "no request given"))
+        if ask.selector:
+            carries = engine.record.matches(ask.selector)
+            checks.append(("selector", carries, f"labels {dict(ask.selector)}"))
+            if not carries:
+                return "selector"
+        else:
+            checks.append(("selector", None, "none given"))
+        if engine.engine_id in ask.exclude:
+            checks.append(("exclude", False, "excluded by the pick"))
+            return "excluded"
+        checks.append(("exclude", None if not ask.exclude else True, "not excluded"))
+        return None
+
+    def _explain_pool_locked(
+        self, engine: Candidate, ask: _Ask, checks: list[tuple[str, bool | None, str]]
+    ) -> str | None:
+        """The filters over the candidate set: version, fencing, capacity; the failing one."""
+        need = len(ask.prompt_tokens) + ask.max_tokens
+        engines = tuple(
+            e
+            for e in self._ordered[: self._fit_locked(need)]
+            if not ask.selector or e.record.matches(ask.selector)
+        )
+        if ask.versions is not _NO_VERSIONS:
+            try:
+                engines = _by_version(engines, ask.versions)
+            except NoEngineAvailableError:
+                engines = ()
+            kept = engine in engines
+            checks.append(
+                (
+                    "version",
+                    kept,
+                    f"weight_version {engine.record.weight_version}; the candidates are on "
+                    f"{_versions_present(self._ordered)}",
+                )
+            )
+            if not kept:
+                return "version"
+        else:
+            checks.append(("version", None, "no version filter"))
+        fence = self._fences.fenced.get(engine.engine_id)
+        if fence is not None:
+            applied = engine not in self._unfenced_locked(engines, ("explain",))
+            left = fence - self._fences.now()
+            note = "" if applied else " (ignored: too many candidates are fenced)"
+            checks.append(("fencing", not applied, f"fenced for {left:.1f} s more{note}"))
+            if applied:
+                return "fenced"
+        else:
+            failures = self._fences.failures().get(engine.engine_id, 0)
+            checks.append(("fencing", True, f"not fenced ({failures} failures in a row)"))
+        detail = f"load {engine.load} of capacity {self._admission.limit(engine)}"
+        if engine.routers > 1:
+            detail += f", this router's share 1/{engine.routers} ({engine.in_flight} held)"
+        if ask.admit:
+            room = self._admission.has_room(engine, ask.priority)
+            checks.append(("capacity", room, detail))
+            if not room:
+                return "capacity"
+        else:
+            checks.append(("capacity", None, f"{detail} (admission off)"))
+        states = self._states
+        if states is not None and engine.record.state_address:
+            fresh = states.share(engine.engine_id) is not None
+            checks.append(
+                (
+                    "state",
+                    True,
+                    "its relayed state is fresh"
+                    if fresh
+                    else "its relayed state is stale or unsynced: scored from this "
+                    "router's own estimate",
+                )
+            )
+        else:
+            checks.append(("state", None, "no state relay"))
+        return None
 
     def _resolve_locked(self, engines: tuple[Candidate, ...]) -> Policy:
         """The policy a pool is routed with; ``auto`` logs a mix once."""
@@ -598,6 +1422,17 @@ class Router:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def _resolve(future: asyncio.Future[T], value: T) -> None:
+    """Set ``future``'s result from any thread (its loop may have closed: then nothing)."""
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(value)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+        future.get_loop().call_soon_threadsafe(settle)
 
 
 def _by_version(engines: tuple[Candidate, ...], versions: _Versions) -> tuple[Candidate, ...]:

@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from typing import Protocol
 
 from ._backoff import REPAIR
@@ -85,6 +86,8 @@ class _Member(Protocol):
     def _session_closed(self) -> None: ...
 
     def _publish_now(self) -> None: ...
+
+    def _stopping_mark(self) -> tuple[str, bytes, int] | None: ...
 
 
 def check_ttl(ttl: object) -> int:
@@ -180,6 +183,7 @@ class Session:
         Waits up to ``timeout`` (default settings.dial_timeout) for etcd; when it cannot
         be reached the keys expire within the TTL.
         """
+        deadline = time.monotonic() + (self._conn.dial_timeout if timeout is None else timeout)
         with self._lock:
             if self._state is _State.CLOSED:
                 return
@@ -191,13 +195,16 @@ class Session:
             lease_id, self._lease_id = self._lease_id, None
         _live_sessions.discard(self)
         self._keeper.cancel(self)
+        marks = [mark for m in members if (mark := m._stopping_mark()) is not None]
         for member in members:
             member._session_closed()
         self._keeper.track_lease(self, lease_id, None)
         try:
             if lease_id is not None:
+                self.mark_stopping(marks, lease_id, deadline)
                 started = time.monotonic()
-                self._conn.call(lambda: self._conn.revoke(lease_id), timeout=timeout)
+                remaining = max(0.0, deadline - time.monotonic())
+                self._conn.call(lambda: self._conn.revoke(lease_id), timeout=remaining)
                 self._metrics.revoked(time.monotonic() - started)
                 log.info("lease %016x revoked (%d registrations)", lease_id, len(members))
         except DiscoveryError as exc:
@@ -469,6 +476,26 @@ class Session:
                 if member._written(lease_id, record, result):
                     with self._lock:
                         self._unwritten.discard(member)
+
+    def mark_stopping(
+        self, marks: Sequence[tuple[str, bytes, int]], lease_id: int, deadline: float
+    ) -> None:
+        """Write each ``stopping`` mark (key, value, mod revision) before the records go.
+
+        Routers tell a removal announced so from an expired lease (``EngineStatus.STOPPING``).
+        Best effort until ``deadline``: a record changed meanwhile, or an etcd that does not
+        answer, only leaves the removal unannounced.
+        """
+        for start in range(0, len(marks), MAX_BATCH):
+            chunk = marks[start : start + MAX_BATCH]
+            try:
+                self._conn.call(
+                    partial(self._conn.update_many, chunk, lease_id),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+            except DiscoveryError as exc:
+                log.warning("could not mark %d records stopping: %s", len(chunk), exc)
+                return
 
     def _publish_pending(self) -> None:
         with self._lock:

@@ -249,27 +249,34 @@ class MemoryEtcd:
             self._check_lease(lease_id)  # etcd checks the lease of a put it makes only
             return PutResult(True, self._write(puts=[(key, value, lease_id)]), current)
 
-    def _create_many(self, items: Sequence[tuple[bytes, bytes]], lease_id: int) -> list[PutResult]:
+    def _update_many(
+        self, items: Sequence[tuple[bytes, bytes, int]], lease_id: int
+    ) -> list[PutResult]:
         with self._lock:
             self._check_up()
-            if len({key for key, _ in items}) != len(items):
+            if len({key for key, _, _ in items}) != len(items):
                 raise EtcdError("etcd request failed: duplicate key given in txn request")
-            absent = [(key, value, lease_id) for key, value in items if key not in self._keys]
-            if absent:
+
+            def at(key: bytes, mod_revision: int) -> bool:
+                current = self._keys.get(key)  # etcd compares a missing key's as 0
+                return (current.mod_revision if current is not None else 0) == mod_revision
+
+            puts = [(key, value, lease_id) for key, value, rev in items if at(key, rev)]
+            if puts:
                 self._check_lease(lease_id)
             results = []
             wrote = False
-            for key, _ in items:
+            for key, _, mod_revision in items:
                 current = self._keys.get(key)
-                if current is None:
+                if at(key, mod_revision):
                     wrote = True
                     results.append(PutResult(True, self._revision + 1, None))
                 else:
                     # etcd reads inside the transaction: after one of its puts, at its revision
                     read_at = self._revision + 1 if wrote else self._revision
                     results.append(PutResult(False, read_at, current))
-            if absent:
-                self._write(puts=absent)
+            if puts:
+                self._write(puts=puts)
             return results
 
     def _delete(self, key: bytes) -> bool:
@@ -581,10 +588,16 @@ class MemoryPort(CloseHooks):
 
     def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
         """``create`` of each (key, value) on ``lease_id``, all in one transaction."""
+        return self.update_many([(key, value, 0) for key, value in items], lease_id)
+
+    def update_many(
+        self, items: Sequence[tuple[str, bytes, int]], lease_id: int
+    ) -> list[PutResult]:
+        """``update`` of each (key, value, mod_revision) on ``lease_id``, in one transaction."""
         if len(items) > MAX_BATCH:
             raise ValueError(f"at most {MAX_BATCH} keys per batch, got {len(items)}")
-        encoded = [(key.encode(), value) for key, value in items]
-        return self._cluster()._create_many(encoded, lease_id)
+        encoded = [(key.encode(), value, revision) for key, value, revision in items]
+        return self._cluster()._update_many(encoded, lease_id)
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""

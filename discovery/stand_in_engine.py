@@ -3,7 +3,7 @@ r"""A stand-in for Megatron's rank zero, for the demo and the tests: no model, s
     python -m discovery.stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
         [--ready JSON] [--ready-shape flat|nested] [--role ROLE] [--version V] \
         [--kv-events N] [--kv-rate R] [--no-progress] [--truth FILE] [--exit-status N] \
-        [--serve-port P [--serve-host H]] \
+        [--serve-port P [--serve-host H]] [--max-num-seqs N] \
         [--coordinator-port P [--coordinator-host H] [--token-delay S]]
 
 It does on the wire exactly what Megatron's ``EngineEventReporter`` does
@@ -30,6 +30,8 @@ after S seconds (the request's own length, at most 60), and the ready payload's
 ``coordinator_address`` becomes ``tcp://H:P`` (unless ``--ready`` gives the payload).
 What a client sees is what it would see of a real engine: a dead process refuses the
 connection, a frozen one (SIGSTOP) accepts it (the kernel does) and never answers.
+``GET /stats`` says how many requests run now and the most that ever ran at once;
+``--max-num-seqs N`` is the capacity its ready payload declares.
 
 ``--coordinator-port P`` (0: a free port; not with ``--serve-port``) makes it speak
 Megatron's coordinator protocol instead, to Megatron's ``InferenceClient`` or
@@ -211,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve-port", type=int, help="answer requests on this port (0: free)")
     parser.add_argument("--serve-host", default="127.0.0.1", help="the request port's address")
     _coordinator_arguments(parser)
+    parser.add_argument("--max-num-seqs", type=int, help="the capacity the ready payload says")
     return parser
 
 
@@ -253,23 +256,44 @@ class _RequestPort:
     """The engine's request port: ``GET /?hold=S`` answers ``200 ok`` after S seconds.
 
     While ``talking`` is clear (the engine is silent) requests are held unanswered.
+    ``GET /stats`` answers ``{"running", "peak", "served"}``: requests running now, the
+    most that ever ran at once, and requests answered (what an overload test checks).
     """
 
     def __init__(self, host: str, port: int, talking: threading.Event) -> None:
+        lock = threading.Lock()
+        counts = {"running": 0, "peak": 0, "served": 0}
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                hold = parse_qs(urlsplit(self.path).query).get("hold", ["0"])[0]
+                url = urlsplit(self.path)
+                if url.path == "/stats":
+                    with lock:
+                        self._answer(json.dumps(counts).encode())
+                    return
+                hold = parse_qs(url.query).get("hold", ["0"])[0]
                 try:
                     seconds = min(max(float(hold), 0.0), _MAX_HOLD)
                 except ValueError:
                     seconds = 0.0
-                time.sleep(seconds)  # the request's own length: the engine at work
-                talking.wait()
+                with lock:
+                    counts["running"] += 1
+                    counts["peak"] = max(counts["peak"], counts["running"])
+                try:
+                    time.sleep(seconds)  # the request's own length: the engine at work
+                    talking.wait()
+                finally:
+                    with lock:
+                        counts["running"] -= 1
+                        counts["served"] += 1
+                self._answer(b"ok\n")
+
+            def _answer(self, body: bytes) -> None:
                 try:
                     self.send_response(200)
-                    self.send_header("Content-Length", "3")
+                    self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(b"ok\n")
+                    self.wfile.write(body)
                 except OSError:
                     pass  # the client gave up waiting: what it does with a hung engine
 
@@ -349,7 +373,8 @@ class _StandIn:
         self._coordinator = coordinator
         self._lock = threading.RLock()  # the socket and the cache: the coordinator serves too
         self._pack = msgpack.Packer(use_bin_type=True).pack
-        endpoint = default_endpoint() if address is None else default_endpoint(address)
+        seqs = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+        endpoint = default_endpoint(address or "tcp://127.0.0.1:5555", **seqs)
         caps = endpoint["capabilities"]
         self._cache = StandInCache(caps["total_kv_blocks"], caps["kv_cache_block_size"])
         self._rng = random.Random(args.seed)

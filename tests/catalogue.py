@@ -27,11 +27,14 @@ The figures of a run (``Figures``), the same for every scenario:
   event: removed, or a status other than ready); ``evict_after_recovery``: the same from
   the end of the fault (a watch reconnect: from the moment the stream could resume);
 * ``back``: s from the recovery until every engine the fault hit is picked again (present
-  and ready; 0 when it never left), ``absent``: the longest time one was not pickable,
-  ``readds``: the most ``added`` events one of them had after the failure (exactly once: 1);
+  and ready; 0 when it never left), ``absent``: the longest time the router picked one of
+  them not at all (from the client's picks: a router that keeps an engine whose record
+  went, unconfirmed after a mass lease loss, still picks it), ``readds``: the most
+  ``added`` events one of them had after the failure (exactly once: 1);
 * ``failed_picks``: picks of the victim after the failure that got no answer (fencing
   bounds them by the fence threshold), ``after_evict``: picks of the victim while it was
-  evicted (never), ``failed_requests``: unanswered requests to any engine after the
+  evicted (never; a pick of an engine the router kept unconfirmed is the router's choice,
+  not a stale view), ``failed_requests``: unanswered requests to any engine after the
   failure, ``collateral``: evictions of engines the fault did not touch;
 * ``lost`` / ``duplicate`` / ``stale`` at the end: engines in etcd the table misses,
   engines twice (two entries with one coordinator address, in the table or in etcd, or an
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import random
@@ -76,7 +80,15 @@ from discovery import (
 from discovery.embedded import EtcdCluster, EtcdMember
 from discovery.embedded_netns import EngineHost, PartitionableCluster
 
-from .helpers import STAND_IN, Launcher, Registrar, connected_member, raw_call, wait_for
+from .helpers import (
+    STAND_IN,
+    Launcher,
+    Registrar,
+    connected_member,
+    etcdctl,
+    raw_call,
+    wait_for,
+)
 
 TTL = 3.0  # the engines' lease TTL, where the scenario allows a short one
 STALL = 2.0  # the launcher's stall timeout in the hung-engine scenarios
@@ -198,13 +210,17 @@ class Pick:
     answered: bool
     chosen: float  # when the router had answered: it read its view before this
     done: float
+    kept: bool = False  # the engine's record was gone: the router kept it (unconfirmed)
 
 
 class Client:
     """``workers`` threads picking, sending and releasing (failed=True without an answer)."""
 
-    def __init__(self, router: Router, *, workers: int = 1, hold: float = 0.0) -> None:
+    def __init__(
+        self, router: Router, table: RoutingTable, *, workers: int = 1, hold: float = 0.0
+    ) -> None:
         self._router = router
+        self._table = table
         self._hold = hold
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -227,9 +243,11 @@ class Client:
                 self._record(Pick(at, None, False, now, now))
             else:
                 chosen = time.monotonic()
+                kept = handle.engine_id not in self._table
                 answered = send(handle.endpoint.coordinator_address, self._hold)
                 handle.release(failed=not answered)
-                self._record(Pick(at, handle.engine_id, answered, chosen, time.monotonic()))
+                done = time.monotonic()
+                self._record(Pick(at, handle.engine_id, answered, chosen, done, kept))
             self._stop.wait(PICK_INTERVAL)  # the workload's pace
 
     def _record(self, pick: Pick) -> None:
@@ -514,6 +532,8 @@ TIMINGS = frozenset(
         "gone",
         "table_complete",
         "states_complete",
+        "told_after_evict",
+        "victim_evict",
     }
 )
 
@@ -531,6 +551,7 @@ class Run:
         self.failure_at: float | None = None
         self.recovered_at: float | None = None
         self.extra: dict[str, float] = {}
+        self.departed: list[str] = []  # engines the scenario ends on purpose (no collateral)
         self.log = TableLog()
         self.table: RoutingTable | None = None
         self.router: Router | None = None
@@ -631,7 +652,7 @@ class Run:
             fence_seconds=FENCE_SECONDS,
             states=self.states,
         )
-        self.client = Client(self.router, workers=workers, hold=hold)
+        self.client = Client(self.router, table, workers=workers, hold=hold)
         self._clients.append(self.client)
         self._routing.callback(self.client.stop)
         return table
@@ -745,26 +766,32 @@ class Run:
             if evicted is not None:
                 figures.evict = evicted - failure
                 figures.evict_after_recovery = evicted - recovered
+                # A pick the router made of an engine it kept (unconfirmed) was its choice.
                 figures.after_evict = sum(
-                    1 for p in mine if p.at >= evicted and (back is None or p.chosen < back)
+                    1
+                    for p in mine
+                    if p.at >= evicted and (back is None or p.chosen < back) and not p.kept
                 )
         if self.scenario.returns:
-            backs, absents = [], []
+            backs = []
             for engine_id in self.affected:
                 gone = self.log.evicted(engine_id, failure)
                 again = self.log.returned(engine_id, gone) if gone is not None else None
                 if gone is None:
                     backs.append(0.0)
-                    absents.append(0.0)
                 elif again is not None:
                     backs.append(max(0.0, again - recovered))
-                    absents.append(again - gone)
             if len(backs) == len(self.affected):
-                figures.back, figures.absent = max(backs), max(absents)
+                figures.back = max(backs)
+                figures.absent = max(_unpicked(e, picks, failure) for e in self.affected)
             figures.readds = max(
                 (self.log.count(e, EventType.ADDED, failure) for e in self.affected), default=0
             )
-        untouched = [e for e in self.engines if e not in self.affected and e != victim]
+        untouched = [
+            e
+            for e in self.engines
+            if e not in self.affected and e != victim and e not in self.departed
+        ]
         figures.collateral = sum(self.log.count(e, EventType.REMOVED, failure) for e in untouched)
         figures.lost, figures.stale = diff.lost, diff.stale
         figures.duplicate = diff.duplicate + self.log.anomalies
@@ -773,6 +800,15 @@ class Run:
             figures.extra["etcd_unlisted"] = 1.0
         figures.converge = self.checker.longest
         return figures
+
+
+def _unpicked(engine_id: str, picks: Sequence[Pick], since: float) -> float:
+    """The longest time from ``since`` on that the router picked ``engine_id`` not at all."""
+    if not picks:
+        return 0.0
+    times = sorted(p.chosen for p in picks if p.engine_id == engine_id and p.chosen >= since)
+    edges = [since, *times, max(p.chosen for p in picks)]
+    return max(b - a for a, b in itertools.pairwise(edges))
 
 
 # -- the scenarios -------------------------------------------------------------------------------
@@ -821,18 +857,55 @@ def _pair(
     return victim, peer
 
 
-def launch_death(run: Run) -> Figures:
-    victim, _ = _pair(run)
+HELD = 50  # requests held on the victim when it dies: each must be told
+
+
+class Held:
+    """``HELD`` handles held on ``victim``, each timestamping when it is told it is lost."""
+
+    def __init__(self, run: Run, victim: Engine) -> None:
+        assert run.router is not None
+        others = [e for e in run.engines if e != victim.engine_id]
+        self.victim = victim.engine_id
+        self._router = run.router
+        self._lock = threading.Lock()
+        self.told: list[float] = []
+        self.handles = [run.router.pick([1], 1, exclude=others) for _ in range(HELD)]
+        for handle in self.handles:
+            handle.on_lost(self._told)
+
+    def _told(self, _: object) -> None:
+        at = time.monotonic()
+        with self._lock:
+            self.told.append(at)
+
+    def figures(self, run: Run, evicted: float | None) -> None:
+        """``told_after_evict``: the last handle told, from the eviction; ``retry_victim``:
+        retries (one per handle, excluding the engine it was lost on) that picked it."""
+        wait_for(lambda: len(self.told) == HELD, timeout=15, message="every held handle told")
+        if evicted is not None:
+            run.extra["told_after_evict"] = max(0.0, max(self.told) - evicted)
+        retries = [self._router.pick([1], 1, exclude={self.victim}) for _ in self.handles]
+        run.extra["retry_victim"] = float(sum(r.engine_id == self.victim for r in retries))
+        for handle in [*self.handles, *retries]:
+            handle.release()
+
+
+def _death(run: Run, victim: Engine | None = None) -> Figures:
+    """The victim SIGKILLed with ``HELD`` requests held on it: each is told, none retried there."""
+    victim, _ = _pair(run, victim)
+    held = Held(run, victim)
     run.fail(victim, victim.kill)
-    run.evicted(timeout=10)
+    held.figures(run, run.evicted(timeout=TTL + 10))
     return run.finish()
+
+
+def launch_death(run: Run) -> Figures:
+    return _death(run)
 
 
 def register_death(run: Run) -> Figures:
-    victim, _ = _pair(run, run.register("victim"))
-    run.fail(victim, victim.kill)
-    run.evicted(timeout=TTL + 10)
-    return run.finish()
+    return _death(run, run.register("victim"))
 
 
 def host_death(run: Run) -> Figures:
@@ -990,6 +1063,18 @@ def _watch_gap(compact: bool) -> Callable[[Run], Figures]:
                 if compact:
                     revision = raw_call(conn, lambda c: c.get_response(key)).header.revision
                     raw_call(conn, lambda c: c.compact(revision, physical=True))
+                    # Each member applies the compaction on its own: the router's resume
+                    # must meet it wherever it lands, or it resumes without a relist.
+                    held = str(run.table.revision)
+                    others = [m for m in run.cluster.members if m is not member]
+                    wait_for(
+                        lambda: all(
+                            "compacted" in etcdctl([m.client_url], "get", "--rev", held, key).stderr
+                            for m in others
+                        ),
+                        timeout=10,
+                        message="the compaction applied on every other member",
+                    )
             finally:
                 conn.close()
             quiet = watcher.health().reconnects == reconnects
@@ -1065,6 +1150,63 @@ def host_cut(run: Run) -> Figures:
         run.recover(host.heal)
     run.back(timeout=15, settle=1)
     return run.finish()
+
+
+MASS = 4  # engines on the host the mass cut cuts off etcd
+
+
+def _mass_host_cut(seconds: float | None, ttl: float) -> Callable[[Run], Figures]:
+    """Every engine's host cut off etcd (its router still reaches it) for ``seconds``
+    (default TTL + 5 s); one engine SIGKILLed once every lease has expired."""
+
+    def mass_host_cut(run: Run) -> Figures:
+        cluster = run.cluster
+        assert isinstance(cluster, PartitionableCluster)
+        host = cluster.add_host()
+        relay = ("--state-address", f"tcp://{host.address}:*")  # routers reach the relay
+        engines = [run.launch(f"e{i}", *relay, ttl=ttl, host=host) for i in range(MASS)]
+        run.route(states=True)
+        run.ready()
+        assert run.router is not None and run.client is not None
+        router, client = run.router, run.client
+        *alive, victim = engines
+        run.departed.append(victim.engine_id)
+        failed = run.fail(None, host.cut, affected=[e.engine_id for e in alive])
+        told: list[float] = []
+        held = None
+        try:
+            wait_for(
+                lambda: len(router.health().unconfirmed) == MASS,
+                timeout=ttl + 15,
+                message="every lease expired and every engine kept, unconfirmed",
+            )
+            # A request held on the victim (unconfirmed now): told when the router evicts it.
+            held = router.pick([1], 1, exclude=[e.engine_id for e in alive])
+            held.on_lost(lambda _: told.append(time.monotonic()))
+            killed = time.monotonic()
+            victim.kill()  # the engine alone: its launcher sees it exit, its relay says bye
+            wait_for(lambda: told, timeout=15, message="the killed engine evicted")
+            run.extra["victim_evict"] = told[0] - killed
+            run.lasted(ttl + 5 if seconds is None else seconds)
+        finally:
+            run.recover(host.heal)
+            if held is not None:
+                held.release()
+        run.back(timeout=30, settle=1)
+        figures = run.finish()
+        picks = [p for p in client.picks if p.at >= failed]
+        survivors = {e.engine_id for e in alive}
+        figures.extra["no_engine"] = float(sum(p.engine_id is None for p in picks))
+        figures.extra["failed_alive"] = float(
+            sum(not p.answered for p in picks if p.engine_id in survivors)
+        )
+        figures.extra["victim_failed"] = float(
+            sum(not p.answered for p in picks if p.engine_id == victim.engine_id)
+        )
+        return figures
+
+    mass_host_cut.__name__ = "mass_host_cut" if seconds is None else f"mass_host_cut_{seconds:g}"
+    return mass_host_cut
 
 
 def member_rotation(run: Run) -> Figures:
@@ -1177,7 +1319,7 @@ SCENARIOS: dict[str, Scenario] = {
             "the engine process SIGKILLed under `discovery launch`",
             "shared",
             launch_death,
-            {"evict": 0.1},
+            {"evict": 0.1, "told_after_evict": 0.05, "retry_victim": 0},
             knob="nothing: `launch` revokes the lease as the engine exits",
         ),
         Scenario(
@@ -1186,7 +1328,7 @@ SCENARIOS: dict[str, Scenario] = {
             "a `discovery register` engine SIGKILLed (the registration in the engine's process)",
             "shared",
             register_death,
-            {"evict": TTL + 0.5},
+            {"evict": TTL + 0.5, "told_after_evict": 0.05, "retry_victim": 0},
             knob=f"the TTL (`--ttl`); {_FENCE}; or `discovery launch`: no TTL to wait",
         ),
         Scenario(
@@ -1238,6 +1380,45 @@ SCENARIOS: dict[str, Scenario] = {
             {"evict": TTL + 0.5, "back": 1.0, "readds": 1},
             returns=True,
             knob="the TTL: a longer one rides out a longer cut (and keeps a dead host longer)",
+        ),
+        Scenario(
+            "mass-host-cut",
+            "Dynamo #7932, #3493 (every lease lost together while every engine serves: the "
+            "table empties)",
+            f"the host of all {MASS} engines cut off etcd (namespaces) for TTL + 5 s, its "
+            "clients still reach it; one engine SIGKILLed once every lease has expired",
+            "netns",
+            _mass_host_cut(None, TTL),
+            {
+                "no_engine": 0,
+                "failed_alive": 0,
+                "victim_evict": 1.0,
+                "back": 1.0,
+                "readds": 1,
+            },
+            returns=True,
+            alive=True,
+            knob="`Router(protect_threshold=, protect_window=, protect_grace=)`: more than half "
+            "of the ready engines gone unannounced within 30 s are kept, unconfirmed, up to "
+            "120 s; the first below the threshold are evicted meanwhile",
+        ),
+        Scenario(
+            "mass-host-cut-30s",
+            "Dynamo #7932 (TTL 10, 8-30 s outages; their fix: TTL 10 -> 60 s)",
+            "as mass-host-cut with TTL 10 and a 30 s cut",
+            "netns",
+            _mass_host_cut(30.0, 10.0),
+            {
+                "no_engine": 0,
+                "failed_alive": 0,
+                "victim_evict": 1.0,
+                "back": 1.0,
+                "readds": 1,
+            },
+            returns=True,
+            alive=True,
+            short=False,
+            knob="`protect_grace` (120 s) above the longest cut to ride out",
         ),
         Scenario(
             "watch-gap-delete",
@@ -1384,6 +1565,12 @@ LABELS = {
     "idle_blind": "idle client blind",
     "table_complete": "table complete",
     "states_complete": "engine state complete",
+    "told_after_evict": f"{HELD} held requests told",
+    "retry_victim": "retries that picked it",
+    "no_engine": "picks that found no engine",
+    "failed_alive": "failed requests to live engines",
+    "victim_evict": "an engine killed during the cut evicted in",
+    "victim_failed": "its unanswered requests",
 }
 
 

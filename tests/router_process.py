@@ -1,14 +1,17 @@
 """A router process for tests/test_alerts.py: what a real router embeds, with its metrics.
 
     python -m tests.router_process --metrics-port PORT --fail ENGINE --hold ENGINE \
-        [--selector KEY=VALUE ...]
+        [--selector KEY=VALUE ...] [--unconfirmed ENGINE]
 
 Settings come from ``DISCOVERY_*``. It serves a ``Metrics`` registry with
 prometheus_client's HTTP server on 127.0.0.1, follows the table (``watch_table``), the
 engines' state relays (``EngineStates``, fed this router's in-flight counts) and routes
 with a ``Router``: once both engines are in the table it fails requests of ``--fail``
 until that engine is fenced (for 600 s), holds one request on ``--hold`` (in flight), and
-makes one pick no engine can take. Then it prints ``routed`` and runs until SIGTERM.
+makes one pick no engine can take. With ``--unconfirmed``, a second router on a table fed
+by hand (the same registry) loses that engine's ready record unannounced, alone in its
+table: a mass lease loss it keeps the engine through, unconfirmed, for 600 s. Then it
+prints ``routed`` and runs until SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,14 +23,33 @@ import sys
 from prometheus_client import CollectorRegistry, start_http_server
 
 from discovery import (
+    EngineRecord,
     EngineStates,
+    EventType,
     Metrics,
     NoEngineAvailableError,
     PickHandle,
     Router,
+    RoutingTable,
     StopSignals,
     watch_table,
 )
+from discovery._store import Change, EngineStore
+
+from .helpers import make_endpoint
+
+
+def unconfirmed(engine_id: str, metrics: Metrics) -> Router:
+    """A router whose only engine's record went unannounced: it keeps it, unconfirmed."""
+    table = RoutingTable(EngineStore())
+    router = Router(table, metrics=metrics, protect_grace=600)
+    record = EngineRecord(engine_id, make_endpoint())
+    for revision, kind in enumerate((EventType.ADDED, EventType.REMOVED), start=1):
+        kept = None if kind is EventType.REMOVED else record
+        table.store.apply([Change(f"/hand/{engine_id}", engine_id, revision, kept)])
+        router.health()  # seen at each revision
+    assert engine_id in router.health().unconfirmed
+    return router
 
 
 def main() -> int:
@@ -36,12 +58,15 @@ def main() -> int:
     parser.add_argument("--fail", required=True)
     parser.add_argument("--hold", required=True)
     parser.add_argument("--selector", action="append", default=[])
+    parser.add_argument("--unconfirmed")
     args = parser.parse_args()
     selector = dict(pair.split("=", 1) for pair in args.selector)
     stop = StopSignals()
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     start_http_server(args.metrics_port, addr="127.0.0.1", registry=registry)
+    # Metrics observe routers weakly: kept alive until the end.
+    kept = unconfirmed(args.unconfirmed, metrics) if args.unconfirmed else None
     with watch_table(selector=selector, metrics=metrics) as table:
         router = Router(
             table,
@@ -74,6 +99,7 @@ def main() -> int:
                 pass
             for handle in held:
                 handle.release()
+    del kept
     return 0
 
 

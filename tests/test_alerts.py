@@ -498,6 +498,7 @@ def test_every_dashboard_query_returns_series_and_a_stalled_engine_fires(
         router = spawn("router", _python(
             "-m", "tests.router_process", "--metrics-port", port["discovery-router"],
             "--fail", "engine-b", "--hold", "engine-a", "--selector", "model=demo",
+            "--unconfirmed", "engine-lost",
         ))  # fmt: skip
         wait_for(lambda: "routed" in logs["router"].read(), 60, "the router's picks")
         # A value that does not decode, a hung engine, an etcd restart (watch reconnects).

@@ -85,6 +85,7 @@ INTENDED = {
     "RouterHealth",
     "RoutingPolicy",
     "PickHandle",
+    "Explanation",
     # routing policies: the protocol, what it sees, the built-in classes
     "Policy",
     "Candidate",
@@ -104,6 +105,7 @@ INTENDED = {
     "PermissionDeniedError",
     "EngineConflictError",
     "NoEngineAvailableError",
+    "OverloadedError",
     "ClosedError",
     "__version__",
 }

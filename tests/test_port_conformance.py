@@ -300,6 +300,40 @@ def test_create_many_creates_each_absent_key_independently(backend: Backend) -> 
     assert backend.revision() == written
 
 
+def test_update_many_writes_each_key_still_at_its_revision(backend: Backend) -> None:
+    port, key = backend.port, backend.key
+    port.create(key("a"), b"old", 0)
+    port.create(key("b"), b"old", 0)
+    a, b = port.get(key("a")), port.get(key("b"))
+    assert a is not None and b is not None
+    before = backend.revision()
+    lease = port.grant(30)
+    results = port.update_many(
+        [
+            (key("a"), b"new", a.mod_revision),  # still there: written
+            (key("b"), b"new", a.mod_revision),  # changed since: left alone
+            (key("c"), b"new", 0),  # absent, as expected: created
+            (key("d"), b"new", 5),  # absent, not as expected: left alone
+        ],
+        lease,
+    )
+    written = before + 1
+    assert [(r.succeeded, r.revision, r.previous) for r in results] == [
+        (True, written, None),
+        (False, written, b),
+        (True, written, None),
+        (False, written, None),
+    ]
+    assert port.get(key("a")) == KeyValue(
+        key("a").encode(), b"new", written, a.create_revision, lease
+    )
+    assert port.get(key("b")) == b
+    assert port.get(key("d")) is None
+    assert sorted(port.lease_info(lease).keys) == [key("a").encode(), key("c").encode()]
+    with pytest.raises(ValueError, match="at most"):
+        port.update_many([(key(f"k{i}"), b"1", 0) for i in range(MAX_BATCH + 1)], lease)
+
+
 def test_create_many_refuses_too_many_or_repeated_keys(backend: Backend) -> None:
     port, key = backend.port, backend.key
     many = [(key(f"k{i:03}"), b"1") for i in range(MAX_BATCH + 1)]

@@ -26,7 +26,18 @@ from .helpers import ChildLog, cli_env, make_endpoint, run_cli, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
-COLUMNS = ("ENGINE", "STATUS", "VERSION", "ROLE", "ADDRESS", "TTL", "LOAD", "CACHED", "LABELS")
+COLUMNS = (
+    "ENGINE",
+    "STATUS",
+    "VERSION",
+    "ROLE",
+    "ADDRESS",
+    "TTL",
+    "LOAD",
+    "CACHED",
+    "LABELS",
+    "WHY",
+)
 
 
 class Top:
@@ -107,10 +118,11 @@ def test_top_shows_an_engine_within_a_second_of_its_registration_and_drops_it_wi
     try:
         shown = top.expect(r"top-1", timeout=1)
         rows = wait_for(lambda: (r := top.rows()) and r["top-1"][5] != "-" and r, 5, "its TTL")
-        _, status, version, role, address, ttl, load, cached, labels = rows["top-1"]
+        _, status, version, role, address, ttl, load, cached, labels, why = rows["top-1"]
         assert (status, version, address) == ("ready", "-", reg.endpoint.coordinator_address)
         assert role == "-"  # aggregated, the absent role
         assert (load, cached, labels) == ("-", "-", "model=m")  # no state relay
+        assert why == "candidate"
         assert 0 <= int(ttl.removesuffix("s")) <= 6
         title = top.frame()[0]
         assert "1 engines (1 ready)" in title and "watcher connected, current" in title
@@ -192,7 +204,7 @@ def test_top_and_list_wide_show_the_load_and_cached_blocks_an_engine_relays(
             message="the relayed engine's cached blocks",
         )
         assert list(rows) == ["relayed", "plain"]  # most cached blocks first
-        _, status, _, _, _, _, load, cached, labels = rows["relayed"]
+        _, status, _, _, _, _, load, cached, labels, _ = rows["relayed"]
         assert (status, load, labels) == ("ready", "0", "model=relay")
         assert int(cached) > 0
         assert rows["plain"][6:8] == ["-", "-"]
@@ -242,7 +254,9 @@ def test_without_a_terminal_top_prints_one_line_per_event(settings: Settings) ->
 
         wait_for(lambda: lines() == [["added", "piped"]], 30, "the added line")
         reg.close()
-        wait_for(lambda: lines() == [["added", "piped"], ["removed", "piped"]], 10, "removed")
+        # Announced as it goes: marked stopping, then removed.
+        gone = [["added", "piped"], ["updated", "piped"], ["removed", "piped"]]
+        wait_for(lambda: lines() == gone, 10, "removed")
         assert "\x1b" not in log.read()
         top.terminate()
         assert top.wait(10) == 0

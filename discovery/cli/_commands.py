@@ -22,6 +22,7 @@ from .. import (
     ListedEngine,
     Metrics,
     RegistrationState,
+    Router,
     Settings,
     StopSignals,
     deregister,
@@ -193,7 +194,7 @@ def _cells(record: EngineRecord, *, lead: bool) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """Print the live engines as a table (``wide``: with their relayed state) or as JSON."""
+    """Print the live engines as a table (``wide``: reasons, relayed state) or as JSON."""
     settings = settings_from_args(args)
     selector = parse_labels(args.selector, "--selector")
     listing = list_engines(settings, selector=selector, lease_ttls=True)
@@ -225,31 +226,35 @@ LOAD = TOP_HEADERS.index("LOAD")  # top's LOAD and CACHED cells, side by side
 
 def _relayed(
     settings: Settings, selector: dict[str, str], engines: tuple[ListedEngine, ...]
-) -> dict[str, tuple[str, str, str]]:
-    """Engine id -> (LOAD, CACHED, STATE) cells: what each engine's state relay says."""
+) -> dict[str, tuple[str, ...]]:
+    """Engine id -> (WHY, LOAD, CACHED, STATE) cells.
+
+    Why it is or is not a candidate (a router's filters, on the table as it is now), and
+    what its state relay says.
+    """
     relaying = [e.engine_id for e in engines if e.record.state_address]
-    cells = {e.engine_id: ("-", "-", "-") for e in engines}
-    if not relaying:
-        return cells
+    cells: dict[str, tuple[str, ...]] = {e.engine_id: ("-", "-", "-", "-") for e in engines}
     with (
         Connection(settings) as connection,
         watch_table(settings, selector=selector, connection=connection) as table,
         EngineStates(table) as states,
     ):
+        router = Router(table, selector=selector)  # passive: never picks, reports nothing
         present = [e for e in relaying if e in table]
-        with contextlib.suppress(TimeoutError):  # unsynced ones show as syncing
-            states.wait_synced(present, timeout=WIDE_WAIT)
+        if present:
+            with contextlib.suppress(TimeoutError):  # unsynced ones show as syncing
+                states.wait_synced(present, timeout=WIDE_WAIT)
         snapshot = table.snapshot()
-        for row in engine_rows(snapshot, {}, states):
+        for row in engine_rows(snapshot, {}, states, router):
             if row.engine_id in cells:
                 load, cached = top_cells(row)[LOAD : LOAD + 2]
                 relay = snapshot[row.engine_id].state_address or "-"
-                cells[row.engine_id] = (load, cached, relay)
+                cells[row.engine_id] = (row.why, load, cached, relay)
     return cells
 
 
 def _table(
-    engines: tuple[ListedEngine, ...], relayed: dict[str, tuple[str, str, str]] | None = None
+    engines: tuple[ListedEngine, ...], relayed: dict[str, tuple[str, ...]] | None = None
 ) -> str:
     # The record's own columns come from its declaration: lead ones after the id, the
     # rest at the end; the endpoint's (Megatron's fields) and the lease's in between; with
@@ -257,7 +262,7 @@ def _table(
     header = (
         "ENGINE", *EngineRecord.column_headers(lead=True),
         "ADDRESS", "CTX", "BLOCK", "KV BLOCKS", "SEQS", "POLICY", "TTL",
-        *(("LOAD", "CACHED", "STATE RELAY") if relayed is not None else ()),
+        *(("WHY", "LOAD", "CACHED", "STATE RELAY") if relayed is not None else ()),
         *EngineRecord.column_headers(lead=False),
     )  # fmt: skip
     lines = [header]

@@ -2,7 +2,9 @@
 
 One connection serves a watched table (``watch_table``: every change within
 milliseconds), ``EngineStates`` on that table (each relaying engine's load and cached
-blocks; passive: it reports no load of its own) and ``LeaseTtls``, a thread that reads the
+blocks; passive: it reports no load of its own), a passive ``Router`` on the table (never
+picks; it says why each engine is or is not a candidate, and keeps the engines of a mass
+lease loss as unconfirmed, as every router does) and ``LeaseTtls``, a thread that reads the
 engines' remaining lease TTLs with ``list_engines(lease_ttls=True)`` every second (one
 request per engine) and counts them down in between. rich's ``Live`` draws the screen;
 the header says how current the watcher is. Keys: ``q`` quits (exit 0), ``s`` sorts by
@@ -36,6 +38,7 @@ from .. import (
     EngineStates,
     EngineStatus,
     EtcdPort,
+    Router,
     RoutingSnapshot,
     RoutingTable,
     Settings,
@@ -86,14 +89,17 @@ class Row:
     """Block hashes it caches (relayed, synced and fresh); else None."""
     relay: str
     """Its state relay: ``-`` (none), ``synced``, ``syncing``, ``stale``."""
+    why: str = "-"
+    """Why it is or is not a candidate (``Router.explain``); ``-`` when not asked."""
 
 
 def engine_rows(
     records: Mapping[str, EngineRecord],
     ttls: Mapping[str, float | None],
     states: EngineStates | None,
+    router: Router | None = None,
 ) -> list[Row]:
-    """The rows of ``records`` (engine id -> record), with TTLs and relayed state."""
+    """The rows of ``records`` (engine id -> record), with TTLs, relayed state and reasons."""
     rows = []
     for engine_id, record in records.items():
         load = cached = None
@@ -119,6 +125,7 @@ def engine_rows(
                 load=load,
                 cached=cached,
                 relay=relay,
+                why="-" if router is None else router.explain(engine_id).reason,
             )
         )
     return rows
@@ -153,7 +160,7 @@ def sort_rows(rows: Sequence[Row], key: str) -> list[Row]:
 
 
 def cells(row: Row) -> list[str]:
-    """The row's cells: ENGINE STATUS VERSION ROLE ADDRESS TTL LOAD CACHED LABELS."""
+    """The row's cells: ENGINE STATUS VERSION ROLE ADDRESS TTL LOAD CACHED LABELS WHY."""
     return [
         row.engine_id,
         row.status,
@@ -164,10 +171,22 @@ def cells(row: Row) -> list[str]:
         "-" if row.load is None else str(row.load),
         row.relay if row.cached is None and row.relay != "-" else _count(row.cached),
         ",".join(f"{k}={v}" for k, v in sorted(row.labels.items())) or "-",
+        row.why,
     ]
 
 
-HEADERS = ("ENGINE", "STATUS", "VERSION", "ROLE", "ADDRESS", "TTL", "LOAD", "CACHED", "LABELS")
+HEADERS = (
+    "ENGINE",
+    "STATUS",
+    "VERSION",
+    "ROLE",
+    "ADDRESS",
+    "TTL",
+    "LOAD",
+    "CACHED",
+    "LABELS",
+    "WHY",
+)
 
 
 def _count(value: int | None) -> str:
@@ -239,6 +258,7 @@ class View:
 
     table: RoutingTable
     states: EngineStates
+    router: Router
     ttls: LeaseTtls
     prefix: str
     selector: Mapping[str, str]
@@ -259,9 +279,15 @@ class View:
             if health.stale
             else f"current ({health.staleness:.1f}s)"
         )
+        unconfirmed = self.router.health().unconfirmed
+        kept = (
+            f"  {len(unconfirmed)} UNCONFIRMED (records gone {max(unconfirmed.values()):.0f}s)"
+            if unconfirmed
+            else ""
+        )
         line = (
             f"{self.prefix}{f' [{labels}]' if labels else ''}  rev {snapshot.revision}  "
-            f"{len(snapshot)} engines{f' ({by_status})' if by_status else ''}  "
+            f"{len(snapshot)} engines{f' ({by_status})' if by_status else ''}{kept}  "
             f"watcher {health.state.value}, {fresh}  sort: {self.sort}  [q] quit [s] sort"
         )
         return line + (f"  TTLs: {self.ttls.error}" if self.ttls.error else "")
@@ -275,7 +301,9 @@ class View:
         snapshot = self.table.snapshot()
         assert self.table.watcher is not None  # watch_table's table has its watcher
         health = self.table.watcher.health()
-        rows = sort_rows(engine_rows(snapshot, self.ttls.left(), self.states), self.sort)
+        records = {**snapshot, **self.router.engines()}  # and the unconfirmed ones
+        rows = engine_rows(records, self.ttls.left(), self.states, self.router)
+        rows = sort_rows(rows, self.sort)
         table = Table(box=None, pad_edge=False, header_style="bold")
         for name in HEADERS:
             right = name in ("TTL", "LOAD", "CACHED")
@@ -361,7 +389,9 @@ def run_top(
         _keys() as read_keys,
         Live(console=Console(), screen=True, auto_refresh=False) as live,
     ):
-        view = View(table, states, ttls, settings.keyspace.prefix, selector, sort, log)
+        # Passive: no states (it would report a load of its own to the relays), never picks.
+        router = Router(table, selector=selector)
+        view = View(table, states, router, ttls, settings.keyspace.prefix, selector, sort, log)
         while not stop.wait(0):
             live.update(view.screen(), refresh=True)
             typed = read_keys(REFRESH)
