@@ -21,6 +21,7 @@ from ._errors import (
     EtcdUnavailableError,
     InvalidRecordError,
     NoEngineAvailableError,
+    NotACandidateError,
     OverloadedError,
     PermissionDeniedError,
     RecordDecodeError,
@@ -48,6 +49,7 @@ from ._policies import (
     Policy,
     RoundRobinPolicy,
     RoutingPolicy,
+    SessionPolicy,
 )
 from ._port import EtcdPort
 from ._record import EngineRecord, EngineStatus
@@ -117,6 +119,7 @@ __all__ = [
     "Metrics",
     "MetricsHooks",
     "NoEngineAvailableError",
+    "NotACandidateError",
     "OverloadedError",
     "PermissionDeniedError",
     "PickHandle",
@@ -136,6 +139,7 @@ __all__ = [
     "RoutingSnapshot",
     "RoutingTable",
     "Session",
+    "SessionPolicy",
     "Settings",
     "StopSignals",
     "WatcherHealth",

@@ -9,7 +9,8 @@
     │   ├── PermissionDeniedError           authentication failed or the role lacks permission
     │   └── EngineConflictError             the engine id is held by another live lease
     ├── NoEngineAvailableError              no engine in the routing table can serve a request
-    │   └── OverloadedError                 engines pass the filters, none has room in time
+    │   ├── OverloadedError                 engines pass the filters, none has room in time
+    │   └── NotACandidateError              a pick pinned to an engine that is no candidate
     └── ClosedError (RuntimeError)          misuse: an object used after close()/stop()
 
 Record validation itself keeps Megatron-Core's types (``TypeError``/``ValueError``/
@@ -27,6 +28,7 @@ __all__ = [
     "EtcdUnavailableError",
     "InvalidRecordError",
     "NoEngineAvailableError",
+    "NotACandidateError",
     "OverloadedError",
     "PermissionDeniedError",
     "RecordDecodeError",
@@ -108,6 +110,17 @@ class OverloadedError(NoEngineAvailableError):
         self.load = load
         self.waited = waited
         self.queued = queued
+
+
+class NotACandidateError(NoEngineAvailableError):
+    """A pick pinned to an engine (``engine_id=``) that is no candidate now.
+
+    ``explanation`` is ``Router.explain``'s answer for it: why, filter by filter.
+    """
+
+    def __init__(self, message: str, explanation: object) -> None:
+        super().__init__(message)
+        self.explanation = explanation
 
 
 class ClosedError(DiscoveryError, RuntimeError):

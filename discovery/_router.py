@@ -102,7 +102,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypeVar
 
 from ._admission import DEFAULT_MAX_WAITING, Admission, Capacity, Waiter
-from ._errors import NoEngineAvailableError, OverloadedError
+from ._errors import NoEngineAvailableError, NotACandidateError, OverloadedError
 from ._fencing import (
     DEFAULT_FENCE_AFTER,
     DEFAULT_FENCE_MAX_SECONDS,
@@ -116,6 +116,7 @@ from ._policies import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_GAP,
     DEFAULT_LOAD_WEIGHT,
+    DEFAULT_SESSION_LOAD_FACTOR,
     Candidate,
     Choice,
     FirstPrefixBlockPolicy,
@@ -126,6 +127,8 @@ from ._policies import (
     Policy,
     RoundRobinPolicy,
     RoutingPolicy,
+    SessionPolicy,
+    session_hash,
 )
 from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossProtection
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
@@ -148,6 +151,7 @@ _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under
 _NO_LABELS: Mapping[str, str] = MappingProxyType({})
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
 _NO_IDS: frozenset[str] = frozenset()
+_PINNED = "pinned"  # the policy a pinned pick is credited to
 _HELD = sys.maxsize  # a held handle's last loss to count: every one to come
 _LOST_STATUSES = {
     EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
@@ -191,6 +195,12 @@ class _Ask(NamedTuple):
     priority: int
     admit: bool
     """Admission applies: engines without room are no candidates."""
+    session: int | None = None
+    """The session key, hashed (``session_hash``): it decides the engine."""
+    pin: str | None = None
+    """The engine the pick must go to (``engine_id=``)."""
+    fallback: bool = False
+    """A pin that is no candidate falls back to an ordinary pick (else it raises)."""
 
 
 @dataclass(frozen=True)
@@ -394,7 +404,9 @@ class Router:
     engine takes at most ``ceil(c x`` its capacity-weighted share of the mean in-flight
     load), None for pure affinity; ``load_gap`` the utilisation gap past which
     ``longest_prefix`` load-balances; ``prefix_index_blocks`` the longest-prefix index
-    bound per engine. Fencing: ``fence_after`` consecutive failures (None: never fence),
+    bound per engine; ``session_load_factor`` the bound of session keys (1.15: a tighter
+    one than the prefixes', see ``discovery._policies``). Fencing: ``fence_after``
+    consecutive failures (None: never fence),
     ``fence_seconds`` / ``fence_max_seconds`` the first and longest fence,
     ``max_fenced_share`` the share of engines that may be fenced at once, ``clock`` the
     time source (seconds). Weight versions: ``weight_version="latest"``,
@@ -437,6 +449,7 @@ class Router:
         protect_threshold: float | None = DEFAULT_THRESHOLD,
         protect_window: float = DEFAULT_WINDOW,
         protect_grace: float = DEFAULT_GRACE,
+        session_load_factor: float | None = DEFAULT_SESSION_LOAD_FACTOR,
     ) -> None:
         self._policy = _policy_argument(policy)
         if self._policy is RoutingPolicy.KV_AWARE and states is None:
@@ -452,7 +465,9 @@ class Router:
                 load_gap=load_gap,
                 prefix_index_blocks=prefix_index_blocks,
             ),
+            RoutingPolicy.SESSION: SessionPolicy(load_factor=session_load_factor),
         }
+        self._session_policy = self._builtins[RoutingPolicy.SESSION]
         self._admission = Admission(
             capacity=capacity, wait=wait or 0.0, max_waiting=max_waiting, reserve=reserve
         )
@@ -523,6 +538,9 @@ class Router:
         exclude: Collection[str] | None = None,
         wait: float | None = None,
         priority: int = 0,
+        session_key: str | bytes | int | None = None,
+        engine_id: str | None = None,
+        fallback: bool = False,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
@@ -536,8 +554,13 @@ class Router:
         hold one hash per complete block (ValueError otherwise). ``exclude``: engine ids
         never to pick (a retry). ``wait``: seconds to wait for room (admission; turns it on
         for this pick; default the router's), ``priority``: higher first (see
-        ``discovery._admission``). Returns a held PickHandle; raises NoEngineAvailableError
-        when no engine passes the filters, OverloadedError when none had room in time.
+        ``discovery._admission``). ``session_key``: a conversation, user or agent run; every
+        router sends a key to the same engine among the candidates (rendezvous hashing,
+        under the load bound), whatever the router's policy. ``engine_id``: this engine
+        only, if it is a candidate; else NotACandidateError says why (``fallback=True``:
+        an ordinary pick instead). Returns a held PickHandle; raises
+        NoEngineAvailableError when no engine passes the filters, OverloadedError when none
+        had room in time.
         """
         ask, timeout = self._ask(
             prompt_tokens,
@@ -550,6 +573,9 @@ class Router:
             exclude=exclude,
             wait=wait,
             priority=priority,
+            session_key=session_key,
+            engine_id=engine_id,
+            fallback=fallback,
         )
         with self._lock:
             handle = self._first_try_locked(ask, timeout)
@@ -580,6 +606,9 @@ class Router:
         exclude: Collection[str] | None = None,
         wait: float | None = None,
         priority: int = 0,
+        session_key: str | bytes | int | None = None,
+        engine_id: str | None = None,
+        fallback: bool = False,
     ) -> PickHandle:
         """``pick`` for asyncio: waits for room without blocking the event loop.
 
@@ -597,6 +626,9 @@ class Router:
             exclude=exclude,
             wait=wait,
             priority=priority,
+            session_key=session_key,
+            engine_id=engine_id,
+            fallback=fallback,
         )
         with self._lock:
             handle = self._first_try_locked(ask, timeout)
@@ -750,6 +782,9 @@ class Router:
         exclude: Collection[str] | None,
         wait: float | None,
         priority: int,
+        session_key: str | bytes | int | None = None,
+        engine_id: str | None = None,
+        fallback: bool = False,
     ) -> tuple[_Ask, float]:
         """The pick's arguments, checked, and how long it may wait for room."""
         # type() is: the common case costs one comparison (bool is an int subclass: refused)
@@ -783,8 +818,21 @@ class Router:
             admit, timeout = True, wait
         else:
             raise ValueError(f"wait must be >= 0 seconds and finite, got {wait!r}")
+        session = None if session_key is None else session_hash(session_key)
+        if engine_id is not None and not isinstance(engine_id, str):
+            raise TypeError(f"engine_id must be a string, not {type(engine_id).__name__}")
         ask = _Ask(
-            prompt_tokens, max_tokens, selector, versions, block_hashes, excluded, priority, admit
+            prompt_tokens,
+            max_tokens,
+            selector,
+            versions,
+            block_hashes,
+            excluded,
+            priority,
+            admit,
+            session,
+            engine_id,
+            fallback,
         )
         return ask, timeout
 
@@ -854,7 +902,14 @@ class Router:
 
         ``started``: when a waiting pick began to wait (None: it did not).
         """
-        pool = self._pool_locked(ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions)
+        try:
+            pool = self._pool_locked(
+                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions
+            )
+        except NoEngineAvailableError:
+            if ask.pin is not None and not ask.fallback:
+                raise self._not_a_candidate_locked(ask) from None
+            raise
         candidates = pool.candidates
         if ask.exclude:
             candidates = tuple(e for e in candidates if e.engine_id not in ask.exclude)
@@ -863,9 +918,19 @@ class Router:
                     f"every one of the {len(pool.candidates)} candidate engines is excluded "
                     f"({', '.join(sorted(ask.exclude))})"
                 )
-        policy = pool.policy
+        if ask.pin is not None:
+            pinned = tuple(e for e in candidates if e.engine_id == ask.pin)
+            if pinned:
+                return self._pinned_locked(pinned[0], ask, started)
+            if not ask.fallback:
+                raise self._not_a_candidate_locked(ask)
+        policy = self._session_policy if ask.session is not None else pool.policy
         request = PickRequest(
-            ask.prompt_tokens, ask.max_tokens, ask.selector or _NO_LABELS, ask.block_hashes
+            ask.prompt_tokens,
+            ask.max_tokens,
+            ask.selector or _NO_LABELS,
+            ask.block_hashes,
+            ask.session,
         )
         choice = policy.choose(candidates, request)
         engine = choice.candidate if isinstance(choice, Choice) else choice
@@ -889,6 +954,28 @@ class Router:
         self._held += 1
         waited = 0.0 if started is None else time.monotonic() - started
         return PickHandle(self, engine, name, matched, waited)
+
+    def _pinned_locked(
+        self, engine: Candidate, ask: _Ask, started: float | None
+    ) -> PickHandle | None:
+        """A pick pinned to ``engine`` (a candidate): held, or None while it has no room."""
+        if ask.admit and not self._admission.has_room(engine, ask.priority):
+            return None
+        engine._acquire()
+        self._held += 1
+        waited = 0.0 if started is None else time.monotonic() - started
+        return PickHandle(self, engine, _PINNED, 0, waited)
+
+    def _not_a_candidate_locked(self, ask: _Ask) -> NotACandidateError:
+        assert ask.pin is not None
+        explanation = self._explain_locked(ask.pin, ask, True)
+        return NotACandidateError(
+            f"engine {ask.pin} is no candidate ({explanation.reason}): "
+            + "; ".join(
+                f"{name}: {detail}" for name, ok, detail in explanation.checks if ok is False
+            ),
+            explanation,
+        )
 
     def _serve_locked(self) -> None:
         """Give room to waiting picks, in their order (a set without room is tried once)."""
@@ -942,6 +1029,7 @@ class Router:
             self._fit_locked(len(ask.prompt_tokens) + ask.max_tokens),
             ask.versions,
             ask.exclude,
+            ask.pin,
         )
 
     # -- outcomes and notices ----------------------------------------------------------

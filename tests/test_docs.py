@@ -95,6 +95,7 @@ INTENDED = {
     "LoadBalancedPolicy",
     "FirstPrefixBlockPolicy",
     "LongestPrefixPolicy",
+    "SessionPolicy",
     # errors
     "DiscoveryError",
     "ConfigurationError",
@@ -106,6 +107,7 @@ INTENDED = {
     "EngineConflictError",
     "NoEngineAvailableError",
     "OverloadedError",
+    "NotACandidateError",
     "ClosedError",
     "__version__",
 }

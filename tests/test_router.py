@@ -140,6 +140,7 @@ def test_public_names_and_error_hierarchy() -> None:
         "first_prefix_block",
         "longest_prefix",
         "kv_aware",
+        "session",
         "auto",
     ]
     # The three advertised policies use Megatron's own values.
