@@ -62,7 +62,7 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import Explanation, PickHandle, Router, RouterHealth
+from ._router import Explanation, PickHandle, PickPair, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
 from ._session import Session
 from ._settings import Settings
@@ -123,6 +123,7 @@ __all__ = [
     "OverloadedError",
     "PermissionDeniedError",
     "PickHandle",
+    "PickPair",
     "PickRequest",
     "Policy",
     "PrefixCachingCoordinatorPolicy",

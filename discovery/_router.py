@@ -96,12 +96,14 @@ import sys
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypeVar
 
 from ._admission import DEFAULT_MAX_WAITING, Admission, Capacity, Waiter
+from ._blockhash import block_hashes
 from ._errors import NoEngineAvailableError, NotACandidateError, OverloadedError
 from ._fencing import (
     DEFAULT_FENCE_AFTER,
@@ -110,7 +112,9 @@ from ._fencing import (
     DEFAULT_MAX_FENCED_SHARE,
     FenceBook,
 )
+from ._handoff import EngineRole, handoff_problem
 from ._metrics import NO_METRICS, MetricsHooks
+from ._pairs import DEFAULT_ALONE_BELOW, DEFAULT_ALONE_SHARE, Pairing, ids
 from ._policies import (
     DEFAULT_INDEX_BLOCKS,
     DEFAULT_LOAD_FACTOR,
@@ -138,7 +142,7 @@ from ._store import Batch, EventType, RoutingSnapshot
 if TYPE_CHECKING:
     from ._follower import EngineStates
 
-__all__ = ["Explanation", "PickHandle", "Router", "RouterHealth"]
+__all__ = ["Explanation", "PickHandle", "PickPair", "Router", "RouterHealth"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,11 @@ _NO_LABELS: Mapping[str, str] = MappingProxyType({})
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
 _NO_IDS: frozenset[str] = frozenset()
 _PINNED = "pinned"  # the policy a pinned pick is credited to
+ALONE = frozenset({EngineRole.AGGREGATED, EngineRole.PREFILL})
+"""The roles that serve a request alone (a Megatron decode engine cannot compute a prompt)."""
+PREFILL = frozenset({EngineRole.PREFILL})
+DECODE = frozenset({EngineRole.DECODE})
+AGGREGATED = frozenset({EngineRole.AGGREGATED})
 _HELD = sys.maxsize  # a held handle's last loss to count: every one to come
 _LOST_STATUSES = {
     EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
@@ -201,6 +210,12 @@ class _Ask(NamedTuple):
     """The engine the pick must go to (``engine_id=``)."""
     fallback: bool = False
     """A pin that is no candidate falls back to an ordinary pick (else it raises)."""
+    roles: frozenset[EngineRole] = frozenset()
+    """The roles a candidate may have (``ALONE``, set by ``_ask``; one side of a pair)."""
+    only: frozenset[str] | None = None
+    """The engines that may take it (a pair's side: those that can hand off); None: any."""
+    policy: Policy | None = None
+    """The policy that chooses (a pair's side); None: the key's, else the router's."""
 
 
 @dataclass(frozen=True)
@@ -355,6 +370,46 @@ class PickHandle(RecordView):
         return f"<PickHandle {self.engine_id} policy={self.policy} {state}{lost}>"
 
 
+class PickPair:
+    """The engines of one disaggregated request: ``prefill``, then ``decode``.
+
+    ``prefill`` is None when one engine serves the whole request (``alone``: an aggregated
+    engine, in ``decode``). Release each handle when its part is done (the prefill one once
+    the hand-off is released), or the pair at once (``release``, or leaving ``with``).
+    """
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self, prefill: PickHandle | None, decode: PickHandle) -> None:
+        self.prefill = prefill
+        """The prefill engine's handle; None when one engine serves the request alone."""
+        self.decode = decode
+        """The decode engine's handle (or the one engine's, when alone)."""
+
+    @property
+    def alone(self) -> bool:
+        """Whether one engine serves the whole request (no hand-off)."""
+        return self.prefill is None
+
+    def release(self, *, failed: bool = False) -> None:
+        """Release both handles (each once; see ``PickHandle.release``)."""
+        if self.prefill is not None:
+            self.prefill.release(failed=failed)
+        self.decode.release(failed=failed)
+
+    def __enter__(self) -> PickPair:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        for handle in (self.prefill, self.decode):
+            if handle is not None:
+                handle.__exit__(exc_type)
+
+    def __repr__(self) -> str:
+        prefill = "alone" if self.prefill is None else self.prefill.engine_id
+        return f"<PickPair {prefill} -> {self.decode.engine_id}>"
+
+
 def _lost(handle: PickHandle) -> str | None:
     """The first loss of ``handle``'s engine after it was picked (None: none yet)."""
     losses = handle._engine._losses
@@ -502,6 +557,7 @@ class Router:
         self._snapshot: RoutingSnapshot | None = None
         self._engines: dict[str, Candidate] = {}
         self._ordered: tuple[Candidate, ...] = ()  # by context_length, longest first
+        self._roles = False  # some candidate is not aggregated (a prefill / decode fleet)
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
         self._pools: dict[tuple[object, ...], _Pool] = {}
@@ -577,6 +633,10 @@ class Router:
             engine_id=engine_id,
             fallback=fallback,
         )
+        return self._pick_ask(ask, timeout)
+
+    def _pick_ask(self, ask: _Ask, timeout: float) -> PickHandle:
+        """``pick``'s work once its arguments are checked: at once, or after waiting."""
         with self._lock:
             handle = self._first_try_locked(ask, timeout)
             if handle is None:
@@ -656,6 +716,213 @@ class Router:
                 served.release()  # no outcome: the caller gave up, the engine did nothing
             raise
         return self._outcome(waiter, started)
+
+    def pick_pair(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        *,
+        selector: Mapping[str, str] | None = None,
+        weight_version: Literal["latest"] | None = None,
+        min_weight_version: int | None = None,
+        max_version_lag: int | None = None,
+        block_hashes: Mapping[int, Sequence[int]] | None = None,
+        session_key: str | bytes | int | None = None,
+        pair_within: str | None = None,
+        require_within: bool = False,
+        exclude_prefill: Collection[str] | None = None,
+        exclude_decode: Collection[str] | None = None,
+        keep_prefill: PickHandle | None = None,
+        keep_decode: PickHandle | None = None,
+        decode_policy: RoutingPolicy | str | Policy = RoutingPolicy.LOAD_BALANCED,
+        allow_aggregated: bool = False,
+        alone_below: int = DEFAULT_ALONE_BELOW,
+        alone_share: float | None = DEFAULT_ALONE_SHARE,
+        wait: float | None = None,
+        priority: int = 0,
+    ) -> PickPair:
+        """Choose a prefill and a decode engine that can hand off, for one request.
+
+        Every filter of ``pick`` applies to each side (``selector``, versions, fit,
+        fencing, admission with ``wait`` and ``priority``); the sides are Megatron's roles,
+        and only engines whose ``handoff_key`` is equal are paired. The prefill engine is
+        chosen by the router's policy (by cached prefix: ``auto`` follows what the prefill
+        engines advertise, ``kv_aware`` where they relay their caches), the decode engine
+        by ``decode_policy`` (default by load). ``pair_within``: a label (a rack, an NVLink
+        domain) both should share: preferred, or required with ``require_within``.
+        ``session_key`` keeps a session on the same engines of both sides. A re-pick after
+        one side was lost keeps the other: ``keep_prefill`` / ``keep_decode`` (a held
+        handle), ``exclude_prefill`` / ``exclude_decode`` (engine ids). With
+        ``allow_aggregated``, an aggregated engine serves the request alone (no hand-off)
+        when the prompt is shorter than ``alone_below`` tokens or its relayed cache holds at
+        least ``alone_share`` of the prompt's blocks, or when no pair can be made (see
+        ``discovery._pairs``). Raises NoEngineAvailableError (naming why no pair can be
+        made) or OverloadedError as ``pick`` does.
+        """
+        if keep_prefill is not None and keep_decode is not None:
+            raise ValueError("keep_prefill and keep_decode: keep at most one side")
+        for kept in (keep_prefill, keep_decode):
+            if kept is not None and (kept._router is not self or kept.released):
+                raise ValueError(f"{kept!r} is no handle held on this router")
+        ask, timeout = self._ask(
+            prompt_tokens,
+            max_tokens,
+            selector=selector,
+            weight_version=weight_version,
+            min_weight_version=min_weight_version,
+            max_version_lag=max_version_lag,
+            block_hashes=block_hashes,
+            exclude=None,
+            wait=wait,
+            priority=priority,
+            session_key=session_key,
+        )
+        deadline = time.monotonic() + timeout
+        decoding = self._policy_instance(decode_policy)
+        with self._lock:
+            self._refresh_locked()
+            alone = self._alone_locked(ask, allow_aggregated, alone_below, alone_share)
+            if alone is None:
+                try:
+                    prefill_ask = self._prefill_ask_locked(
+                        ask,
+                        exclude_prefill,
+                        exclude_decode,
+                        pair_within,
+                        require_within,
+                        keep_decode=keep_decode,
+                    )
+                except NoEngineAvailableError:
+                    alone = self._alone_locked(ask, allow_aggregated, None, None)
+                    if alone is None:
+                        raise
+        if alone is not None:
+            return PickPair(None, self._pick_ask(alone, timeout))
+        prefill = keep_prefill or self._pick_ask(prefill_ask, timeout)
+        try:
+            with self._lock:
+                self._refresh_locked()
+                near, every = self._partners_locked(
+                    ask, prefill, exclude_decode, pair_within, require_within
+                )
+            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=ids(every))
+            decode = keep_decode or self._decode_locked_or_wait(decode_ask, near, every, deadline)
+        except BaseException:
+            if keep_prefill is None:
+                prefill.release()  # no outcome: the engine did nothing
+            raise
+        return PickPair(prefill, decode)
+
+    def _decode_locked_or_wait(
+        self,
+        ask: _Ask,
+        near: Sequence[Candidate],
+        every: Sequence[Candidate],
+        deadline: float,
+    ) -> PickHandle:
+        """The decode side: a partner within the label first, if one has room now."""
+        if near and len(near) < len(every):
+            with contextlib.suppress(OverloadedError):
+                return self._pick_ask(ask._replace(only=ids(near)), 0.0)
+        return self._pick_ask(ask, max(0.0, deadline - time.monotonic()))
+
+    def _policy_instance(self, policy: RoutingPolicy | str | Policy) -> Policy:
+        chosen = _policy_argument(policy)
+        if isinstance(chosen, Policy):
+            return chosen
+        if chosen not in self._builtins:
+            raise ValueError(f"policy {chosen.value!r} cannot choose one side of a pair")
+        return self._builtins[chosen]
+
+    def _prefill_ask_locked(
+        self,
+        ask: _Ask,
+        exclude_prefill: Collection[str] | None,
+        exclude_decode: Collection[str] | None,
+        within: str | None,
+        required: bool,
+        *,
+        keep_decode: PickHandle | None,
+    ) -> _Ask:
+        """The prefill side's pick: the prefill engines some decode candidate can take."""
+        prefill = ask._replace(roles=PREFILL, exclude=frozenset(exclude_prefill or ()))
+        prefills = self._side_locked(prefill)
+        if keep_decode is not None:
+            decodes: Sequence[Candidate] = (keep_decode._engine,)
+        else:
+            decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
+            decodes = self._side_locked(decode)
+        pairing = Pairing.of(decodes)
+        viable = [p for p in prefills if pairing.partners(p, within, required)[1]]
+        if not viable:
+            raise NoEngineAvailableError(
+                f"no pair can hand off: none of the {len(prefills)} prefill candidates has a "
+                f"compatible decode candidate among {len(decodes)}"
+                + (f" with the same {within!r} label" if within and required else "")
+                + (f" ({handoff_problem(prefills[0].record, decodes[0].record)})"
+                   if prefills and decodes else "")
+            )  # fmt: skip
+        return prefill._replace(only=ids(viable))
+
+    def _partners_locked(
+        self,
+        ask: _Ask,
+        prefill: PickHandle,
+        exclude_decode: Collection[str] | None,
+        within: str | None,
+        required: bool,
+    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """The decode candidates ``prefill``'s engine can hand off to: (near, all)."""
+        decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
+        pairing = Pairing.of(self._side_locked(decode))
+        near, every = pairing.partners(prefill._engine, within, required)
+        if not every:
+            raise NoEngineAvailableError(
+                f"no decode candidate can take {prefill.engine_id}'s hand-off now"
+            )
+        return near, every
+
+    def _side_locked(self, ask: _Ask) -> tuple[Candidate, ...]:
+        """One side's candidates: every filter but capacity (a pick waits for room)."""
+        pool = self._pool_locked(
+            ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
+        )
+        return tuple(e for e in pool.candidates if e.engine_id not in ask.exclude)
+
+    def _alone_locked(
+        self, ask: _Ask, allowed: bool, below: int | None, share: float | None
+    ) -> _Ask | None:
+        """The ask for one aggregated engine serving the request alone, or None (a pair).
+
+        ``below`` and ``share`` None: alone whenever an aggregated engine is a candidate.
+        """
+        if not allowed:
+            return None
+        alone = ask._replace(roles=AGGREGATED)
+        try:
+            engines = self._side_locked(alone)
+        except NoEngineAvailableError:
+            return None
+        length = len(ask.prompt_tokens)
+        if (below is None and share is None) or (below is not None and length < below):
+            return alone
+        states = self._states
+        if share is None or states is None:
+            return None
+        best, held = None, 0.0
+        for engine in engines:
+            blocks = length // engine.block_size
+            if not blocks or not engine.record.state_address:
+                continue
+            hashes = (ask.block_hashes or {}).get(engine.block_size) or block_hashes(
+                ask.prompt_tokens, engine.block_size
+            )
+            cached = states.cached_prefix(engine.engine_id, hashes) or 0
+            if cached / blocks > held:
+                best, held = engine, cached / blocks
+        if best is None or held < share:
+            return None
+        return alone._replace(only=frozenset({best.engine_id}))
 
     def explain(
         self,
@@ -833,6 +1100,7 @@ class Router:
             session,
             engine_id,
             fallback,
+            ALONE,
         )
         return ask, timeout
 
@@ -904,7 +1172,7 @@ class Router:
         """
         try:
             pool = self._pool_locked(
-                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions
+                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
             )
         except NoEngineAvailableError:
             if ask.pin is not None and not ask.fallback:
@@ -918,13 +1186,20 @@ class Router:
                     f"every one of the {len(pool.candidates)} candidate engines is excluded "
                     f"({', '.join(sorted(ask.exclude))})"
                 )
+        if ask.only is not None:
+            candidates = tuple(e for e in candidates if e.engine_id in ask.only)
+            if not candidates:
+                raise NoEngineAvailableError(
+                    f"none of the {len(pool.candidates)} candidate {'/'.join(ask.roles)} "
+                    f"engines is among the {len(ask.only)} that can take it"
+                )
         if ask.pin is not None:
             pinned = tuple(e for e in candidates if e.engine_id == ask.pin)
             if pinned:
                 return self._pinned_locked(pinned[0], ask, started)
             if not ask.fallback:
                 raise self._not_a_candidate_locked(ask)
-        policy = self._session_policy if ask.session is not None else pool.policy
+        policy = self._session_policy if ask.session is not None else ask.policy or pool.policy
         request = PickRequest(
             ask.prompt_tokens,
             ask.max_tokens,
@@ -1000,7 +1275,7 @@ class Router:
     def _overloaded_locked(self, ask: _Ask, waited: float, why: str) -> OverloadedError:
         try:
             pool = self._pool_locked(
-                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions
+                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
             )
             engines = pool.candidates
         except NoEngineAvailableError:
@@ -1030,6 +1305,8 @@ class Router:
             ask.versions,
             ask.exclude,
             ask.pin,
+            ask.roles,
+            ask.only,
         )
 
     # -- outcomes and notices ----------------------------------------------------------
@@ -1234,6 +1511,7 @@ class Router:
         ordered = sorted(candidates, key=lambda e: (-e.context_length, e.engine_id))
         self._engines = engines
         self._ordered = tuple(ordered)
+        self._roles = any(e.record.role is not EngineRole.AGGREGATED for e in ordered)
         self._neg_context = [-e.context_length for e in ordered]
         self._min_context = ordered[-1].context_length if ordered else 0
         self._pools.clear()
@@ -1264,17 +1542,20 @@ class Router:
         prompt_len: int,
         max_tokens: int,
         versions: _Versions = _NO_VERSIONS,
+        roles: frozenset[EngineRole] = ALONE,
     ) -> _Pool:
-        """The candidates of one pick: every filter runs here (fit, labels, versions, fences)."""
+        """The candidates of one pick: every filter runs here (role, fit, labels, versions...)."""
         fit = self._fit_locked(prompt_len + max_tokens)
-        key = (tuple(sorted(selector.items())) if selector else (), fit, versions)
+        key = (tuple(sorted(selector.items())) if selector else (), fit, versions, roles)
         pool = self._pools.get(key)
         if pool is None:
             engines = self._ordered[:fit]
+            if roles is not ALONE or self._roles:  # else every engine serves alone
+                engines = tuple(e for e in engines if e.record.role in roles)
             if selector:
                 engines = tuple(e for e in engines if e.record.matches(selector))
             if not engines:
-                raise self._no_engine_locked(selector, prompt_len, max_tokens)
+                raise self._no_engine_locked(selector, prompt_len, max_tokens, roles)
             if versions is not _NO_VERSIONS:
                 engines = _by_version(engines, versions)
             engines = self._unfenced_locked(engines, key)
@@ -1303,7 +1584,11 @@ class Router:
         return engines
 
     def _no_engine_locked(
-        self, selector: Mapping[str, str] | None, prompt_len: int, max_tokens: int
+        self,
+        selector: Mapping[str, str] | None,
+        prompt_len: int,
+        max_tokens: int,
+        roles: frozenset[EngineRole] = ALONE,
     ) -> NoEngineAvailableError:
         total = len(self._snapshot or ())
         if not total and not self._engines:
@@ -1325,7 +1610,16 @@ class Router:
                 f"{' or '.join(sorted(self._statuses))} "
                 f"({', '.join(f'{n} {status}' for status, n in sorted(seen.items()))})"
             )
-        matching = [e for e in self._ordered if e.record.matches(selector)]
+        playing = [e for e in self._ordered if e.record.role in roles]
+        if not playing:
+            by_role = Counter(str(engine.record.role) for engine in self._ordered)
+            wanted = " or ".join(sorted(map(str, roles)))
+            return NoEngineAvailableError(
+                f"none of the {len(self._ordered)} candidate engines is {wanted} "
+                f"({', '.join(f'{n} {role}' for role, n in sorted(by_role.items()))})"
+                + ("; a decode engine takes requests only from pick_pair" if roles == ALONE else "")
+            )
+        matching = [e for e in playing if e.record.matches(selector)]
         if not matching:
             return NoEngineAvailableError(
                 f"none of the {len(self._engines)} engines the router sees carries the "

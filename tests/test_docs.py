@@ -85,6 +85,7 @@ INTENDED = {
     "RouterHealth",
     "RoutingPolicy",
     "PickHandle",
+    "PickPair",
     "Explanation",
     # routing policies: the protocol, what it sees, the built-in classes
     "Policy",
