@@ -27,6 +27,7 @@ from ._errors import (
     RecordDecodeError,
 )
 from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
+from ._fleet import ControlResult, FleetClient, RequestLostError
 from ._follower import EngineState, EngineStates, EngineStatesHealth
 from ._handoff import (
     EngineRole,
@@ -88,6 +89,7 @@ __all__ = [
     "ClosedError",
     "ConfigurationError",
     "Connection",
+    "ControlResult",
     "DiscoveryError",
     "EndpointEvent",
     "EndpointWatcher",
@@ -106,6 +108,7 @@ __all__ = [
     "EventType",
     "Explanation",
     "FirstPrefixBlockPolicy",
+    "FleetClient",
     "HandoffKey",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
@@ -133,6 +136,7 @@ __all__ = [
     "Registration",
     "RegistrationHealth",
     "RegistrationState",
+    "RequestLostError",
     "RoundRobinPolicy",
     "Router",
     "RouterHealth",

@@ -86,6 +86,10 @@ INTENDED = {
     "RoutingPolicy",
     "PickHandle",
     "PickPair",
+    # the fleet client: Megatron requests through the router
+    "FleetClient",
+    "ControlResult",
+    "RequestLostError",
     "Explanation",
     # routing policies: the protocol, what it sees, the built-in classes
     "Policy",
