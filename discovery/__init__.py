@@ -20,6 +20,7 @@ from ._errors import (
     EtcdError,
     EtcdUnavailableError,
     InvalidRecordError,
+    InvalidSelectorError,
     NoEngineAvailableError,
     OverloadedError,
     PermissionDeniedError,
@@ -62,6 +63,7 @@ from ._registration import (
 )
 from ._router import Explanation, PickHandle, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
+from ._selector import Selector
 from ._session import Session
 from ._settings import Settings
 from ._signals import StopSignals, deregister_on_signals, drain_and_close
@@ -108,6 +110,7 @@ __all__ = [
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
     "InvalidRecordError",
+    "InvalidSelectorError",
     "KeySpace",
     "KvLayout",
     "KvTransferBackend",
@@ -135,6 +138,7 @@ __all__ = [
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",
+    "Selector",
     "Session",
     "Settings",
     "StopSignals",

@@ -42,6 +42,7 @@ from discovery import (
     Router,
     RoutingPolicy,
     RoutingTable,
+    Selector,
     Settings,
     block_hashes,
     register_engine,
@@ -628,7 +629,7 @@ def test_a_user_policy_plugs_in_without_editing_the_router() -> None:
     assert {h.policy for h in held} == {"prefer_zone"}
     ids, request = policy.seen[0]
     assert ids == ("a1", "a2", "b1")
-    assert request == PickRequest([1, 2, 3], 10, {})
+    assert request == PickRequest([1, 2, 3], 10, Selector())
     # The router's filters run before the policy: too long for b1, wrong labels for a*.
     router.pick([1] * 2000, 10).release()
     assert policy.seen[-1][0] == ("a1", "a2")
@@ -832,7 +833,7 @@ def test_label_selectors_filter_before_the_policy() -> None:
     assert set(decode) == {"d1", "d2"}
     with router.pick([1], 1, selector={"role": "decode", "zone": "b"}) as handle:
         assert handle.engine_id == "d2"
-    with pytest.raises(NoEngineAvailableError, match=r"3 engines .* labels \{'model': 'qwen'\}"):
+    with pytest.raises(NoEngineAvailableError, match="3 engines the router sees matches the selector 'model=qwen'"):
         router.pick([1], 1, selector={"model": "qwen"})
 
 
@@ -857,7 +858,7 @@ def test_no_engine_errors_name_the_reason() -> None:
     with pytest.raises(NoEngineAvailableError, match="routing table is empty"):
         router.pick([1], 1)
     fleet.add("q", 0, labels={"model": "qwen"})
-    with pytest.raises(NoEngineAvailableError, match="1 engines in the table carries the router"):
+    with pytest.raises(NoEngineAvailableError, match="1 engines in the table matches the router's selector 'model=llama'"):
         router.pick([1], 1)
     fleet.add("l", 1, labels={"model": "llama"})
     assert router.pick([1], 1).engine_id == "l"
