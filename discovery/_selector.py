@@ -1,7 +1,8 @@
 """Label selectors with Kubernetes' syntax and meaning (``Selector``), and the label rules.
 
-Read from Kubernetes' own parser, k8s.io/apimachinery ``pkg/labels/selector.go`` at
-eed236ce (``Lexer``, ``Parser.parse``, ``Requirement.Matches``)::
+Read from Kubernetes' own parser: k8s.io/apimachinery ``pkg/labels/selector.go`` at
+eed236ceee2c19c2753a3d93ac0631dc20750454 (``Lexer``, ``Parser.parse``,
+``Requirement.Matches``)::
 
     env=prod   env==prod   the label is there, with that value           (Equals, DoubleEquals)
     env!=prod              the label has another value, or is absent      (NotEquals)
@@ -22,7 +23,8 @@ Keys and values are checked as records' labels are (``validate_labels``): keys 1
 ``A-Za-z0-9._/-``, values printable and at most 256 characters, instead of Kubernetes'
 DNS-style rules. But a value in the text cannot hold what the syntax reserves: whitespace
 and ``, ( ) = ! < >``; select such a label with the mapping form (``{"k": "a b"}``).
-Kubernetes' numeric ``>`` and ``<`` (Gt, Lt: node affinity's, not kubectl's) are refused.
+Kubernetes' numeric ``>`` and ``<`` (Gt, Lt; its label docs leave them out, node affinity
+uses them) are refused, with a message that says so.
 
 Wherever the library takes a selector it takes a ``Selector``, its text, or a mapping of
 labels (each ``key: value`` an equality, as before the text syntax existed).
@@ -129,10 +131,11 @@ class Selector:
         self._set(())
 
     def _set(self, requirements: tuple[_Requirement, ...]) -> None:
-        self._requirements = requirements
-        self._tests = tuple(r.test() for r in requirements)
-        self._text = ",".join(map(str, requirements))
-        self._hash = hash(requirements)
+        set_slot = object.__setattr__  # once, here: the object is immutable after
+        set_slot(self, "_requirements", requirements)
+        set_slot(self, "_tests", tuple(r.test() for r in requirements))
+        set_slot(self, "_text", ",".join(map(str, requirements)))
+        set_slot(self, "_hash", hash(requirements))
 
     @classmethod
     def _of(cls, requirements: list[_Requirement]) -> Selector:
@@ -192,9 +195,10 @@ class Selector:
         return f"Selector.parse({self._text!r})"
 
     def __setattr__(self, name: str, value: object) -> None:
-        if hasattr(self, "_hash"):  # set once, by _set
-            raise AttributeError("a Selector is immutable")
-        object.__setattr__(self, name, value)
+        raise AttributeError("a Selector is immutable")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return Selector._of, (list(self._requirements),)  # copy and pickle, past __setattr__
 
 
 SelectorLike = Selector | str | Mapping[str, str]
@@ -207,16 +211,33 @@ def selector_of(selector: SelectorLike | None) -> Selector:
     """``selector`` as a Selector: None is the empty one, a mapping its equalities."""
     if selector is None:
         return _EVERYTHING
-    if isinstance(selector, Selector):
+    if type(selector) is Selector:  # final: no subclass to miss
         return selector
     if isinstance(selector, str):
         return _parse(selector)
-    if isinstance(selector, Mapping):
-        labels = validate_labels(selector)
-        return Selector._of([_Requirement(k, _EQUALS, (v,)) for k, v in labels.items()])
+    if type(selector) is dict or isinstance(selector, Mapping):  # the ABC check is slower
+        return _from_labels(selector)
     raise InvalidRecordError(
         f"a selector is a Selector, its text or a mapping of labels, not {type(selector).__name__}"
     )
+
+
+_MAX_CACHED = 1024  # selectors kept per form: a router's per-pick selectors are few
+_BY_LABELS: dict[tuple[tuple[str, str], ...], Selector] = {}
+
+
+def _from_labels(labels: Mapping[str, str]) -> Selector:
+    """The equalities of ``labels``, checked once per distinct mapping (cached)."""
+    try:
+        return _BY_LABELS[tuple(labels.items())]
+    except (KeyError, TypeError):  # new, or unhashable: checked below
+        pass
+    checked = validate_labels(labels)
+    selector = Selector._of([_Requirement(k, _EQUALS, (v,)) for k, v in checked.items()])
+    if len(_BY_LABELS) >= _MAX_CACHED:
+        _BY_LABELS.clear()
+    _BY_LABELS[tuple(checked.items())] = selector
+    return selector
 
 
 # -- the text: Kubernetes' lexer and parser --------------------------------------------------
@@ -250,7 +271,7 @@ def _lex(text: str) -> list[_Token]:
         at = match.end()
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_MAX_CACHED)
 def _parse(text: str) -> Selector:
     return Selector._of(_Parser(text).parse())
 

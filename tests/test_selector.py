@@ -7,6 +7,8 @@ TestRequirementSelectorMatching, TestSetSelectorParser), with the results it doc
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Mapping
 
 import pytest
@@ -221,6 +223,9 @@ def test_a_selector_keys_a_dict_and_compares_by_meaning() -> None:
     assert Selector.parse("x=y") is Selector.parse("x=y")  # parsed once
     with pytest.raises(AttributeError, match="immutable"):
         Selector.parse("x=y")._text = "z"  # type: ignore[misc]
+    spaced = selector_of({"k": "a b"})  # its text would not parse: copied all the same
+    for selector in (Selector.parse("a in (x,y),!b"), spaced, Selector()):
+        assert pickle.loads(pickle.dumps(selector)) == selector == copy.deepcopy(selector)
 
 
 def test_requirements_combine_and_the_unmet_one_is_named() -> None:
