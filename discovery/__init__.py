@@ -20,6 +20,7 @@ from ._errors import (
     EtcdError,
     EtcdUnavailableError,
     InvalidRecordError,
+    InvalidSelectorError,
     NoEngineAvailableError,
     NotACandidateError,
     OverloadedError,
@@ -65,6 +66,7 @@ from ._registration import (
 )
 from ._router import Explanation, PickHandle, PickPair, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
+from ._selector import Selector
 from ._session import Session
 from ._settings import Settings
 from ._signals import StopSignals, deregister_on_signals, drain_and_close
@@ -113,6 +115,7 @@ __all__ = [
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
     "InvalidRecordError",
+    "InvalidSelectorError",
     "KeySpace",
     "KvLayout",
     "KvTransferBackend",
@@ -143,6 +146,7 @@ __all__ = [
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",
+    "Selector",
     "Session",
     "SessionPolicy",
     "Settings",

@@ -493,7 +493,7 @@ class _LiveCollector:
             labels=["selector", "status"],
         )
         for table in list(metrics._tables):
-            selector = ",".join(f"{k}={v}" for k, v in sorted(table.selector.items()))
+            selector = str(table.selector)
             counts = Counter(record.status.value for record in table.snapshot().values())
             for status in _STATUSES:
                 engines.add_metric([selector, status], counts[status])
@@ -598,7 +598,7 @@ def _by_version(tables: list[Any]) -> Any:
         labels=["selector", "status", "weight_version"],
     )
     for table in tables:
-        selector = ",".join(f"{k}={v}" for k, v in sorted(table.selector.items()))
+        selector = str(table.selector)
         records = list(table.snapshot().values())
         present = {r.weight_version for r in records if r.weight_version is not None}
         kept = set(sorted(present)[-MAX_VERSION_LABELS:])

@@ -80,6 +80,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ._blockhash import LazyBlockHashes
 from ._record import EngineRecord
+from ._selector import Selector
 
 __all__ = [
     "Candidate",
@@ -276,8 +277,8 @@ class PickRequest(NamedTuple):
     """The prompt's token ids."""
     max_tokens: int
     """The most tokens the request may generate."""
-    selector: Mapping[str, str]
-    """Labels this call asked for (the router's own selector is already applied)."""
+    selector: Selector
+    """The selector this call gave (empty if none; the router's own is already applied)."""
     block_hashes: Mapping[int, Sequence[int]] | None = None
     """Megatron's hashes of the prompt's complete blocks, per block size, if the caller
     computed them (``Router.pick(block_hashes=...)``); ``kv_aware`` then hashes nothing."""

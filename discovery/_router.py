@@ -13,10 +13,11 @@ a ``draining`` or ``paused`` one nothing new. A handle already held on an engine
 starts draining or is paused stays valid and releases normally (its in-flight count stays
 visible in ``in_flight()``).
 
-**Candidates.** The router sees the engines of the table that carry its ``selector``
-labels. Each pick then filters them, in this order and in one place (``_pool_locked``):
+**Candidates.** The router sees the engines of the table its ``selector`` matches
+(Kubernetes' label selectors, ``discovery._selector``). Each pick then filters them, in
+this order and in one place (``_pool_locked``):
 fit (``len(prompt_tokens) + max_tokens <= context_length``), the per-call ``selector``
-(every ``key: value`` among the engine's labels), weight versions (below), and fencing
+(matched the same way), weight versions (below), and fencing
 (below). When fit, labels or ``min_weight_version`` leave nothing the pick raises
 ``NoEngineAvailableError`` naming the filter that emptied the set (and, for the version
 filter, the versions present); it never picks at random. Fencing never empties a set.
@@ -137,6 +138,7 @@ from ._policies import (
 from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossProtection
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
 from ._routing import RoutingTable
+from ._selector import Selector, SelectorLike, selector_of
 from ._store import Batch, EventType, RoutingSnapshot
 
 if TYPE_CHECKING:
@@ -152,7 +154,6 @@ Listener = Callable[["PickHandle"], object] | asyncio.Future[str]
 _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
-_NO_LABELS: Mapping[str, str] = MappingProxyType({})
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
 _NO_IDS: frozenset[str] = frozenset()
 _PINNED = "pinned"  # the policy a pinned pick is credited to
@@ -197,7 +198,7 @@ class _Ask(NamedTuple):
 
     prompt_tokens: Sequence[int]
     max_tokens: int
-    selector: Mapping[str, str] | None
+    selector: Selector
     versions: _Versions
     block_hashes: Mapping[int, Sequence[int]] | None
     exclude: frozenset[str]
@@ -452,9 +453,9 @@ class Router:
     """Picks an engine per request from a live RoutingTable (see the module docs).
 
     ``policy`` is a ``RoutingPolicy`` (or its name) or a ``Policy`` instance;
-    ``selector`` restricts every pick to engines carrying those labels; ``statuses`` are
-    the record statuses a candidate may have (default ``ready`` only; add ``starting`` for
-    a warm-up client, say). For the built-in
+    ``selector`` (a ``Selector``, its text or labels to equal) restricts every pick to
+    the engines it matches; ``statuses`` are the record statuses a candidate may have
+    (default ``ready`` only; add ``starting`` for a warm-up client, say). For the built-in
     policies: ``load_factor`` is ``c`` of the load bound of the prefix policies (an
     engine takes at most ``ceil(c x`` its capacity-weighted share of the mean in-flight
     load), None for pure affinity; ``load_gap`` the utilisation gap past which
@@ -481,7 +482,7 @@ class Router:
         table: RoutingTable,
         *,
         policy: RoutingPolicy | str | Policy = RoutingPolicy.AUTO,
-        selector: Mapping[str, str] | None = None,
+        selector: SelectorLike | None = None,
         load_factor: float | None = DEFAULT_LOAD_FACTOR,
         load_gap: float = DEFAULT_LOAD_GAP,
         prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS,
@@ -551,7 +552,7 @@ class Router:
             )
         self._table = table
         self._metrics = metrics or NO_METRICS
-        self._selector = MappingProxyType(dict(selector or {}))
+        self._selector = selector_of(selector)
         self._statuses = frozenset(validate_status(status) for status in statuses)
         self._lock = threading.Lock()
         self._snapshot: RoutingSnapshot | None = None
@@ -577,8 +578,8 @@ class Router:
         return self._policy
 
     @property
-    def selector(self) -> Mapping[str, str]:
-        """The labels every picked engine carries."""
+    def selector(self) -> Selector:
+        """The selector every picked engine matches."""
         return self._selector
 
     def pick(
@@ -600,7 +601,7 @@ class Router:
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
-        ``selector`` adds labels the engine must carry for this call. ``weight_version``
+        ``selector`` must match too, for this call. ``weight_version``
         (``"latest"``), ``min_weight_version`` and ``max_version_lag``, if any is given,
         replace the router's version options for this call. ``block_hashes``: Megatron's
         hashes of the prompt's complete blocks (``discovery.block_hashes``), per block
@@ -1027,7 +1028,8 @@ class Router:
     def __repr__(self) -> str:
         engines = len(self._engines)
         return (
-            f"<Router policy={self._policy_name} selector={dict(self._selector)} engines={engines}>"
+            f"<Router policy={self._policy_name} selector={str(self._selector)!r} "
+            f"engines={engines}>"
         )
 
     @property
@@ -1041,7 +1043,7 @@ class Router:
         prompt_tokens: Sequence[int],
         max_tokens: int,
         *,
-        selector: Mapping[str, str] | None,
+        selector: SelectorLike | None,
         weight_version: Literal["latest"] | None,
         min_weight_version: int | None,
         max_version_lag: int | None,
@@ -1091,7 +1093,7 @@ class Router:
         ask = _Ask(
             prompt_tokens,
             max_tokens,
-            selector,
+            selector_of(selector),
             versions,
             block_hashes,
             excluded,
@@ -1203,7 +1205,7 @@ class Router:
         request = PickRequest(
             ask.prompt_tokens,
             ask.max_tokens,
-            ask.selector or _NO_LABELS,
+            ask.selector,
             ask.block_hashes,
             ask.session,
         )
@@ -1300,7 +1302,7 @@ class Router:
 
     def _pool_key_locked(self, ask: _Ask) -> object:
         return (
-            tuple(sorted(ask.selector.items())) if ask.selector else (),
+            ask.selector,
             self._fit_locked(len(ask.prompt_tokens) + ask.max_tokens),
             ask.versions,
             ask.exclude,
@@ -1444,7 +1446,8 @@ class Router:
     def _lost_locked(self, engines: list[tuple[str, Candidate]], snapshot: RoutingSnapshot) -> None:
         """Ready engines whose records went unannounced: kept unconfirmed, or evicted."""
         ready = sum(
-            r.status is EngineStatus.READY and r.matches(self._selector) for r in snapshot.values()
+            r.status is EngineStatus.READY and self._selector.matches(r.labels)
+            for r in snapshot.values()
         )
         kept = self._protection.lost(engines, ready)
         if not kept:
@@ -1487,7 +1490,7 @@ class Router:
         """Rebuild the derived state for a new table snapshot (and the unconfirmed engines)."""
         engines: dict[str, Candidate] = {}
         for engine_id, record in snapshot.items():
-            if not record.matches(self._selector):
+            if not self._selector.matches(record.labels):
                 continue
             engine = self._engines.get(engine_id)
             if engine is None:
@@ -1538,7 +1541,7 @@ class Router:
 
     def _pool_locked(
         self,
-        selector: Mapping[str, str] | None,
+        selector: Selector,
         prompt_len: int,
         max_tokens: int,
         versions: _Versions = _NO_VERSIONS,
@@ -1546,14 +1549,14 @@ class Router:
     ) -> _Pool:
         """The candidates of one pick: every filter runs here (role, fit, labels, versions...)."""
         fit = self._fit_locked(prompt_len + max_tokens)
-        key = (tuple(sorted(selector.items())) if selector else (), fit, versions, roles)
+        key = (selector, fit, versions, roles)
         pool = self._pools.get(key)
         if pool is None:
             engines = self._ordered[:fit]
             if roles is not ALONE or self._roles:  # else every engine serves alone
                 engines = tuple(e for e in engines if e.record.role in roles)
             if selector:
-                engines = tuple(e for e in engines if e.record.matches(selector))
+                engines = tuple(e for e in engines if selector.matches(e.record.labels))
             if not engines:
                 raise self._no_engine_locked(selector, prompt_len, max_tokens, roles)
             if versions is not _NO_VERSIONS:
@@ -1585,7 +1588,7 @@ class Router:
 
     def _no_engine_locked(
         self,
-        selector: Mapping[str, str] | None,
+        selector: Selector,
         prompt_len: int,
         max_tokens: int,
         roles: frozenset[EngineRole] = ALONE,
@@ -1598,8 +1601,8 @@ class Router:
             )
         if not self._engines:
             return NoEngineAvailableError(
-                f"none of the {total} engines in the table carries the router's labels "
-                f"{dict(self._selector)}"
+                f"none of the {total} engines in the table matches the router's selector "
+                f"'{self._selector}'"
             )
         if not self._ordered:
             seen: dict[str, int] = {}
@@ -1619,11 +1622,11 @@ class Router:
                 f"({', '.join(f'{n} {role}' for role, n in sorted(by_role.items()))})"
                 + ("; a decode engine takes requests only from pick_pair" if roles == ALONE else "")
             )
-        matching = [e for e in playing if e.record.matches(selector)]
+        matching = [e for e in playing if selector.matches(e.record.labels)]
         if not matching:
             return NoEngineAvailableError(
-                f"none of the {len(self._engines)} engines the router sees carries the "
-                f"labels {dict(selector or {})}"
+                f"none of the {len(self._engines)} engines the router sees matches the "
+                f"selector '{selector}'"
             )
         return NoEngineAvailableError(
             f"no engine fits {prompt_len + max_tokens} tokens (prompt {prompt_len} + "
@@ -1645,7 +1648,10 @@ class Router:
                 checks.append(("table", False, "not in the routing table"))
                 return verdict(False, "absent")
             checks.append(("table", True, "in the routing table"))
-            checks.append(("labels", False, f"lacks the router's labels {dict(self._selector)}"))
+            unmet = self._selector.unmet(record.labels)
+            checks.append(
+                ("labels", False, f"fails '{unmet}' of the router's selector '{self._selector}'")
+            )
             return verdict(False, "labels")
         ages = self._protection.ages()
         unconfirmed = ages.get(engine_id)
@@ -1659,7 +1665,15 @@ class Router:
                 "loss, kept routable until it comes back or the engine is seen dead",
             )
         )
-        checks.append(("labels", True, f"carries the router's labels {dict(self._selector)}"))
+        checks.append(
+            (
+                "labels",
+                True,
+                f"matches the router's selector '{self._selector}'"
+                if self._selector
+                else "the router has no selector",
+            )
+        )
         status = engine.record.status
         if status not in self._statuses:
             checks.append(
@@ -1691,9 +1705,15 @@ class Router:
         else:
             checks.append(("fit", None, "no request given"))
         if ask.selector:
-            carries = engine.record.matches(ask.selector)
-            checks.append(("selector", carries, f"labels {dict(ask.selector)}"))
-            if not carries:
+            unmet = ask.selector.unmet(engine.record.labels)
+            checks.append(
+                (
+                    "selector",
+                    unmet is None,
+                    f"'{ask.selector}'" + ("" if unmet is None else f": its labels fail '{unmet}'"),
+                )
+            )
+            if unmet is not None:
                 return "selector"
         else:
             checks.append(("selector", None, "none given"))
@@ -1711,7 +1731,7 @@ class Router:
         engines = tuple(
             e
             for e in self._ordered[: self._fit_locked(need)]
-            if not ask.selector or e.record.matches(ask.selector)
+            if ask.selector.matches(e.record.labels)
         )
         if ask.versions is not _NO_VERSIONS:
             try:

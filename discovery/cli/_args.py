@@ -24,6 +24,7 @@ from .. import (
     KvTransferBackend,
     Metrics,
     PrefixCachingCoordinatorPolicy,
+    Selector,
     Settings,
     launch,
 )
@@ -305,15 +306,36 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_labels(pairs: Sequence[str], flag: str = "--label") -> dict[str, str]:
-    """``key=value`` pairs as a dict."""
+def parse_labels(pairs: Sequence[str]) -> dict[str, str]:
+    """``--label key=value`` pairs as a dict."""
     labels = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise UsageError(f"{flag} {pair!r} must look like key=value")
+            raise UsageError(f"--label {pair!r} must look like key=value")
         labels[key] = value
     return labels
+
+
+def add_selector_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """--selector: a label selector in Kubernetes' syntax, repeatable (all must hold)."""
+    parser.add_argument(
+        "--selector",
+        action="append",
+        default=[],
+        metavar="SELECTOR",
+        help=f"{what} the engines this label selector matches, in Kubernetes' syntax: "
+        "'model=m', 'env in (a,b)', 'tier notin (x)', 'zone!=z', 'gpu', '!canary', comma-"
+        "separated or the flag repeated (all must hold)",
+    )
+
+
+def selector_from_args(args: argparse.Namespace) -> Selector:
+    """The --selector flags as one Selector (InvalidSelectorError, exit 2, if malformed)."""
+    selector = Selector()
+    for text in args.selector:
+        selector &= Selector.parse(text)
+    return selector
 
 
 def endpoint_from_args(args: argparse.Namespace) -> tuple[InferenceEngineEndpoint, dict[str, Any]]:

@@ -23,6 +23,7 @@ from .. import (
     Metrics,
     RegistrationState,
     Router,
+    Selector,
     Settings,
     StopSignals,
     deregister,
@@ -42,6 +43,7 @@ from ._args import (
     handoff_from_args,
     metrics_from_args,
     parse_labels,
+    selector_from_args,
     settings_from_args,
 )
 from ._top import HEADERS as TOP_HEADERS
@@ -196,7 +198,7 @@ def _cells(record: EngineRecord, *, lead: bool) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the live engines as a table (``wide``: reasons, relayed state) or as JSON."""
     settings = settings_from_args(args)
-    selector = parse_labels(args.selector, "--selector")
+    selector = selector_from_args(args)
     listing = list_engines(settings, selector=selector, lease_ttls=True)
     for skipped in listing.skipped:
         print(f"warning: skipping {skipped}", file=sys.stderr)
@@ -225,7 +227,7 @@ LOAD = TOP_HEADERS.index("LOAD")  # top's LOAD and CACHED cells, side by side
 
 
 def _relayed(
-    settings: Settings, selector: dict[str, str], engines: tuple[ListedEngine, ...]
+    settings: Settings, selector: Selector, engines: tuple[ListedEngine, ...]
 ) -> dict[str, tuple[str, ...]]:
     """Engine id -> (WHY, LOAD, CACHED, STATE) cells.
 
@@ -306,14 +308,14 @@ def format_event(event: EndpointEvent, fmt: str) -> str:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Print one line per event until SIGTERM/SIGINT."""
     settings = settings_from_args(args)
-    selector = parse_labels(args.selector, "--selector")
+    selector = selector_from_args(args)
     stop = StopSignals()
     return _print_events(settings, selector, args.format, stop, metrics_from_args(args))
 
 
 def _print_events(
     settings: Settings,
-    selector: dict[str, str],
+    selector: Selector,
     fmt: str,
     stop: StopSignals,
     metrics: Metrics | None = None,
@@ -337,7 +339,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     Without a terminal, one line per event as ``watch`` prints them.
     """
     settings = settings_from_args(args)
-    selector = parse_labels(args.selector, "--selector")
+    selector = selector_from_args(args)
     stop = StopSignals()
     if not sys.stdout.isatty():
         return _print_events(settings, selector, "text", stop)

@@ -41,13 +41,14 @@ from .. import (
     Router,
     RoutingSnapshot,
     RoutingTable,
+    Selector,
     Settings,
     StopSignals,
     WatcherHealth,
     list_engines,
     watch_table,
 )
-from ._args import UsageError
+from ._args import UsageError, add_selector_flag
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -204,7 +205,7 @@ class LeaseTtls:
         self,
         settings: Settings,
         connection: EtcdPort,
-        selector: Mapping[str, str],
+        selector: Selector,
         every: float = TTL_EVERY,
     ) -> None:
         self._settings = settings
@@ -261,7 +262,7 @@ class View:
     router: Router
     ttls: LeaseTtls
     prefix: str
-    selector: Mapping[str, str]
+    selector: Selector
     sort: str
     log: deque[str]
 
@@ -273,7 +274,7 @@ class View:
         by_status = ", ".join(
             f"{counts[s.value]} {s.value}" for s in EngineStatus if s.value in counts
         )
-        labels = ",".join(f"{k}={v}" for k, v in sorted(self.selector.items()))
+        selector = str(self.selector)
         fresh = (
             f"STALE {health.staleness:.0f}s (last table served)"
             if health.stale
@@ -286,7 +287,7 @@ class View:
             else ""
         )
         line = (
-            f"{self.prefix}{f' [{labels}]' if labels else ''}  rev {snapshot.revision}  "
+            f"{self.prefix}{f' [{selector}]' if selector else ''}  rev {snapshot.revision}  "
             f"{len(snapshot)} engines{f' ({by_status})' if by_status else ''}{kept}  "
             f"watcher {health.state.value}, {fresh}  sort: {self.sort}  [q] quit [s] sort"
         )
@@ -369,7 +370,7 @@ def _keys() -> Iterator[Callable[[float], str]]:
 
 def run_top(
     settings: Settings,
-    selector: Mapping[str, str],
+    selector: Selector,
     sort: str,
     stop: StopSignals,
 ) -> int:
@@ -404,13 +405,7 @@ def run_top(
 
 def add_top_flags(parser: argparse.ArgumentParser) -> None:
     """--selector and --sort."""
-    parser.add_argument(
-        "--selector",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="show only engines carrying these labels",
-    )
+    add_selector_flag(parser, "show only")
     parser.add_argument(
         "--sort",
         choices=SORT_KEYS,
