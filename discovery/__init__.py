@@ -70,6 +70,7 @@ from ._selector import Selector
 from ._session import Session
 from ._settings import Settings
 from ._signals import StopSignals, deregister_on_signals, drain_and_close
+from ._split import Split
 from ._store import EndpointEvent, EventType, RoutingSnapshot
 from ._watcher import (
     EndpointWatcher,
@@ -150,6 +151,7 @@ __all__ = [
     "Session",
     "SessionPolicy",
     "Settings",
+    "Split",
     "StopSignals",
     "WatcherHealth",
     "WatcherState",

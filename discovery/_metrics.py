@@ -142,6 +142,10 @@ class MetricsHooks(Protocol):
         """A mass lease loss: ``engines`` more engines kept routable as unconfirmed."""
         return None
 
+    def split_empty(self, group: str) -> None:
+        """A pick found no candidate in a split's group: its share went to the others."""
+        return None
+
     def observe_router(self, router: Any) -> None:
         """Read ``router``'s in-flight requests at scrape time."""
         return None
@@ -297,6 +301,11 @@ class Metrics(MetricsHooks):
             "discovery_router_overloaded_total",
             "Picks refused by admission: no engine had room within the pick's wait.",
         )
+        self._split_empty = counter(
+            "discovery_router_split_empty_total",
+            "Picks that found no candidate in a split's group (its share went to the others).",
+            ("group",),
+        )
         self._unconfirmed = counter(
             "discovery_router_unconfirmed_total",
             "Engines kept routable as unconfirmed after their records went in a mass lease loss.",
@@ -443,6 +452,10 @@ class Metrics(MetricsHooks):
     def unconfirmed(self, engines: int) -> None:
         """Count engines kept routable as unconfirmed after a mass lease loss."""
         self._unconfirmed.inc(engines)
+
+    def split_empty(self, group: str) -> None:
+        """Count a pick whose split group had no candidate."""
+        self._split_empty.labels(group).inc()
 
     def request_failed(self, outcome: str) -> None:
         """Count a failed request and what it did: ``fenced``, ``limited`` or nothing."""

@@ -139,6 +139,7 @@ from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossP
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
 from ._routing import RoutingTable
 from ._selector import Selector, SelectorLike, selector_of
+from ._split import Rotation, Split, split_of
 from ._store import Batch, EventType, RoutingSnapshot
 
 if TYPE_CHECKING:
@@ -217,6 +218,10 @@ class _Ask(NamedTuple):
     """The engines that may take it (a pair's side: those that can hand off); None: any."""
     policy: Policy | None = None
     """The policy that chooses (a pair's side); None: the key's, else the router's."""
+    split: Split | None = None
+    """Groups to draw one from before choosing (``split=``); None once drawn, or none."""
+    group: str | None = None
+    """The split's group drawn (its selector's text), added to ``selector``."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,7 @@ class PickHandle(RecordView):
         "_router",
         "_since",
         "_until",
+        "group",
         "matched_tokens",
         "policy",
         "record",
@@ -320,6 +326,8 @@ class PickHandle(RecordView):
         """For ``longest_prefix``: prompt tokens the engine was recently sent; else 0."""
         self.waited = waited
         """Seconds the pick waited for room (admission); 0 when it did not wait."""
+        self.group: str | None = None
+        """The group of the split the pick drew (its selector's text); None without one."""
 
     @property
     def released(self) -> bool:
@@ -506,6 +514,7 @@ class Router:
         protect_window: float = DEFAULT_WINDOW,
         protect_grace: float = DEFAULT_GRACE,
         session_load_factor: float | None = DEFAULT_SESSION_LOAD_FACTOR,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> None:
         self._policy = _policy_argument(policy)
         if self._policy is RoutingPolicy.KV_AWARE and states is None:
@@ -524,6 +533,8 @@ class Router:
             RoutingPolicy.SESSION: SessionPolicy(load_factor=session_load_factor),
         }
         self._session_policy = self._builtins[RoutingPolicy.SESSION]
+        self._split = split_of(split)
+        self._rotations: dict[Split, Rotation] = {}
         self._admission = Admission(
             capacity=capacity, wait=wait or 0.0, max_waiting=max_waiting, reserve=reserve
         )
@@ -578,6 +589,11 @@ class Router:
         return self._policy
 
     @property
+    def split(self) -> Split | None:
+        """The router's split: groups of engines and their weights (None: no split)."""
+        return self._split
+
+    @property
     def selector(self) -> Selector:
         """The selector every picked engine matches."""
         return self._selector
@@ -598,6 +614,7 @@ class Router:
         session_key: str | bytes | int | None = None,
         engine_id: str | None = None,
         fallback: bool = False,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
@@ -633,13 +650,14 @@ class Router:
             session_key=session_key,
             engine_id=engine_id,
             fallback=fallback,
+            split=split,
         )
         return self._pick_ask(ask, timeout)
 
     def _pick_ask(self, ask: _Ask, timeout: float) -> PickHandle:
         """``pick``'s work once its arguments are checked: at once, or after waiting."""
         with self._lock:
-            handle = self._first_try_locked(ask, timeout)
+            ask, handle = self._first_try_locked(ask, timeout)
             if handle is None:
                 waiter = self._queue_locked(ask, event=threading.Event())
         if handle is not None:
@@ -670,6 +688,7 @@ class Router:
         session_key: str | bytes | int | None = None,
         engine_id: str | None = None,
         fallback: bool = False,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> PickHandle:
         """``pick`` for asyncio: waits for room without blocking the event loop.
 
@@ -690,9 +709,10 @@ class Router:
             session_key=session_key,
             engine_id=engine_id,
             fallback=fallback,
+            split=split,
         )
         with self._lock:
-            handle = self._first_try_locked(ask, timeout)
+            ask, handle = self._first_try_locked(ask, timeout)
             if handle is None:
                 future: asyncio.Future[PickHandle] = asyncio.get_running_loop().create_future()
                 waiter = self._queue_locked(ask, future=future)
@@ -1054,6 +1074,7 @@ class Router:
         session_key: str | bytes | int | None = None,
         engine_id: str | None = None,
         fallback: bool = False,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> tuple[_Ask, float]:
         """The pick's arguments, checked, and how long it may wait for room."""
         # type() is: the common case costs one comparison (bool is an int subclass: refused)
@@ -1103,27 +1124,60 @@ class Router:
             engine_id,
             fallback,
             ALONE,
+            split=self._split if split is None else split_of(split),
         )
         return ask, timeout
 
-    def _first_try_locked(self, ask: _Ask, timeout: float) -> PickHandle | None:
-        """Pick at once if there is room; None: the pick must wait (it may)."""
+    def _first_try_locked(self, ask: _Ask, timeout: float) -> tuple[_Ask, PickHandle | None]:
+        """Pick at once if there is room; else the pick must wait (it may) with its ask.
+
+        A split's group is drawn here: a waiting pick waits for room in its group.
+        """
         self._refresh_locked()
         if self._admission.waiters:
             self._serve_locked()  # those waiting come first
         try:
+            if ask.split is not None:
+                ask = self._grouped_locked(ask)
             handle = self._try_locked(ask, None)
         except NoEngineAvailableError:
             self._metrics.no_engine()
             raise
         if handle is not None:
-            return handle
+            return ask, handle
         queued = len(self._admission.waiters)
         if timeout <= 0 or queued >= self._admission.max_waiting:
             self._metrics.overloaded()
             why = "no wait allowed" if timeout <= 0 else f"{queued} picks wait already"
             raise self._overloaded_locked(ask, 0.0, why)
-        return None
+        return ask, None
+
+    def _grouped_locked(self, ask: _Ask) -> _Ask:
+        """Draw the split's group (among those with a candidate); the ask within it."""
+        split = ask.split
+        assert split is not None
+        available = []
+        for index, (group, _) in enumerate(split.groups):
+            try:
+                self._side_locked(ask._replace(selector=ask.selector & group))
+            except NoEngineAvailableError:
+                self._metrics.split_empty(str(group))  # its share goes to the others
+                continue
+            available.append(index)
+        if not available:
+            groups = ", ".join(str(group) for group, _ in split.groups)
+            raise NoEngineAvailableError(f"no group of the split has a candidate: {groups}")
+        if ask.session is not None:
+            index = split.rendezvous(ask.session, available)
+        else:
+            rotation = self._rotations.get(split)
+            if rotation is None:
+                if len(self._rotations) >= _MAX_POOLS:
+                    self._rotations.clear()
+                rotation = self._rotations[split] = Rotation(split)
+            index = rotation.next(available)
+        group = split.groups[index][0]
+        return ask._replace(selector=ask.selector & group, split=None, group=str(group))
 
     def _queue_locked(
         self,
@@ -1230,7 +1284,9 @@ class Router:
         engine._acquire()
         self._held += 1
         waited = 0.0 if started is None else time.monotonic() - started
-        return PickHandle(self, engine, name, matched, waited)
+        handle = PickHandle(self, engine, name, matched, waited)
+        handle.group = ask.group
+        return handle
 
     def _pinned_locked(
         self, engine: Candidate, ask: _Ask, started: float | None
@@ -1241,7 +1297,9 @@ class Router:
         engine._acquire()
         self._held += 1
         waited = 0.0 if started is None else time.monotonic() - started
-        return PickHandle(self, engine, _PINNED, 0, waited)
+        handle = PickHandle(self, engine, _PINNED, 0, waited)
+        handle.group = ask.group
+        return handle
 
     def _not_a_candidate_locked(self, ask: _Ask) -> NotACandidateError:
         assert ask.pin is not None

@@ -19,18 +19,21 @@ import pytest
 from discovery import (
     EngineStatus,
     EventType,
+    InvalidSelectorError,
     NoEngineAvailableError,
     NotACandidateError,
     PrefixCachingCoordinatorPolicy,
     Router,
     RoutingPolicy,
+    Split,
     register_engine,
     watch_table,
 )
+from discovery._metrics import NoMetrics
 from discovery._policies import session_hash
 
 from .conftest import Store
-from .helpers import make_endpoint
+from .helpers import make_endpoint, run_cli
 from .test_router import Fleet
 
 LB = PrefixCachingCoordinatorPolicy.LOAD_BALANCED
@@ -163,5 +166,102 @@ def test_eight_routers_on_real_tables_agree_on_every_key(store: Store) -> None:
     finally:
         for table in tables:
             table.stop()
+        for registration in registrations:
+            registration.close()
+
+
+def split_fleet() -> Fleet:
+    fleet = Fleet()
+    for i in range(4):
+        fleet.add(f"stable-{i}", i, labels={"track": "stable"}, policy=LB)
+    fleet.add("canary-0", 9, labels={"track": "canary"}, policy=LB)
+    return fleet
+
+
+def test_a_weighted_split_holds_its_shares_and_a_session_keeps_its_group() -> None:
+    fleet = split_fleet()
+    router = Router(fleet.table, split={"track=stable": 95, "track in (canary)": 5})
+    groups = Counter()
+    for _ in range(10_000):
+        handle = router.pick([1], 1)
+        groups[handle.group] += 1
+        assert handle.labels["track"] in handle.group
+        handle.release()
+    assert abs(groups["track in (canary)"] / 10_000 - 0.05) <= 0.01
+    # A session draws its group by its key: always the same one, whatever else happens.
+    for key in range(200):
+        seen = {router.pick([1], 1, session_key=key).group for _ in range(3)}
+        assert len(seen) == 1
+    keyed = Counter(router.pick([1], 1, session_key=k).group for k in range(10_000))
+    assert abs(keyed["track in (canary)"] / 10_000 - 0.05) <= 0.01
+    # Per pick, a split replaces the router's.
+    only = router.pick([1], 1, split={"track=canary": 1})
+    assert only.engine_id == "canary-0"
+
+
+def test_an_empty_group_gives_its_share_to_the_others_and_is_counted() -> None:
+    class Counted(NoMetrics):
+        def __init__(self) -> None:
+            self.empty: Counter[str] = Counter()
+
+        def split_empty(self, group: str) -> None:
+            self.empty[group] += 1
+
+    fleet = split_fleet()
+    metrics = Counted()
+    router = Router(
+        fleet.table,
+        split={"track=stable": 95, "track=canary": 5},
+        metrics=metrics,
+        protect_threshold=None,  # these removals are no mass lease loss to ride out
+    )
+    fleet.remove("canary-0")
+    assert {router.pick([1], 1).group for _ in range(100)} == {"track=stable"}
+    assert metrics.empty["track=canary"] == 100
+    for i in range(4):
+        fleet.remove(f"stable-{i}")
+    with pytest.raises(NoEngineAvailableError, match="no group of the split has a candidate"):
+        router.pick([1], 1)
+
+
+def test_bad_splits_are_refused_naming_the_group() -> None:
+    fleet = split_fleet()
+    with pytest.raises(ValueError, match="weight of 'track=stable' must be positive"):
+        Router(fleet.table, split={"track=stable": 0})
+    with pytest.raises(ValueError, match="given twice"):
+        Router(fleet.table, split={"track=stable": 1, "track == stable": 2})
+    with pytest.raises(ValueError, match="needs a selector"):
+        Router(fleet.table, split={"": 1})
+    with pytest.raises(InvalidSelectorError, match="invalid selector 'track in \\('"):
+        Router(fleet.table, split={"track in (": 1})
+    assert Split({"a=b": 1}) == Split([("a == b", 1)])
+
+
+def test_list_wide_shows_a_split_and_refuses_a_bad_one(settings) -> None:
+    registrations = [
+        register_engine(
+            make_endpoint(i), engine_id=f"t{i}", labels={"track": track}, settings=settings
+        )
+        for i, track in enumerate(["stable", "stable", "canary"])
+    ]
+    try:
+        wide = run_cli(
+            settings,
+            "list",
+            "-o",
+            "wide",
+            "--split",
+            "track=stable:95",
+            "--split",
+            "track=canary:5",
+        )
+        assert wide.returncode == 0, wide.stderr
+        assert (
+            "split: track=stable 95% (2 candidates), track=canary 5% (1 candidates)" in wide.stdout
+        )
+        for bad, says in (("track=canary", "no ':WEIGHT'"), ("track in (:5", "invalid selector")):
+            refused = run_cli(settings, "list", "-o", "wide", "--split", bad)
+            assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+    finally:
         for registration in registrations:
             registration.close()

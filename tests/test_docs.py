@@ -102,6 +102,7 @@ INTENDED = {
     "FirstPrefixBlockPolicy",
     "LongestPrefixPolicy",
     "SessionPolicy",
+    "Split",
     # errors
     "DiscoveryError",
     "ConfigurationError",

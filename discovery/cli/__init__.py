@@ -19,6 +19,7 @@ from ._args import (
     add_registration_flags,
     add_selector_flag,
     add_settings_flags,
+    add_split_flag,
     add_weight_version_flag,
 )
 from ._commands import (
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "engine's state relay says (load, cached blocks; waits up to a few seconds for them)",
     )
     add_selector_flag(lst, "list only")
+    add_split_flag(lst)
     add_settings_flags(lst)
     lst.set_defaults(func=cmd_list)
 

@@ -26,6 +26,7 @@ from .. import (
     PrefixCachingCoordinatorPolicy,
     Selector,
     Settings,
+    Split,
     launch,
 )
 from ._logging import log_level
@@ -328,6 +329,37 @@ def add_selector_flag(parser: argparse.ArgumentParser, what: str) -> None:
         "'model=m', 'env in (a,b)', 'tier notin (x)', 'zone!=z', 'gpu', '!canary', comma-"
         "separated or the flag repeated (all must hold)",
     )
+
+
+def add_split_flag(parser: argparse.ArgumentParser) -> None:
+    """--split SELECTOR:WEIGHT, repeatable: a router's weighted split, to show."""
+    parser.add_argument(
+        "--split",
+        action="append",
+        default=[],
+        metavar="SELECTOR:WEIGHT",
+        help="a group of a weighted split ('track=stable:95' '--split track=canary:5'): "
+        "shows each group's share and candidates, as a router with this split draws them",
+    )
+
+
+def split_from_args(args: argparse.Namespace) -> Split | None:
+    """The --split flags as a Split (None without any); UsageError naming a bad one."""
+    groups = []
+    for text in args.split:
+        group, colon, weight = text.rpartition(":")
+        try:
+            if not colon:
+                raise ValueError("no ':WEIGHT'")
+            groups.append((Selector.parse(group), float(weight)))
+        except ValueError as exc:
+            raise UsageError(
+                f"--split {text!r}: {exc} (SELECTOR:WEIGHT, e.g. 'track=canary:5')"
+            ) from None
+    try:
+        return Split(groups) if groups else None
+    except ValueError as exc:
+        raise UsageError(f"--split: {exc}") from None
 
 
 def selector_from_args(args: argparse.Namespace) -> Selector:
