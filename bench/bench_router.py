@@ -193,6 +193,31 @@ def key_moves(engines: int, keys: int) -> dict[str, float]:
     }
 
 
+def split_share(engines: int, picks: int) -> dict[str, float]:
+    """The canaries' share of ``picks`` picks (and keys) under a 95/5 split."""
+    from discovery import EngineRecord  # noqa: PLC0415
+    from discovery._store import Change  # noqa: PLC0415
+
+    table = make_table(engines)
+    snapshot = table.snapshot()
+    revision = snapshot.revision
+    for index, (engine_id, record) in enumerate(sorted(snapshot.items())):
+        track = "canary" if index % 8 == 0 else "stable"
+        labelled = EngineRecord(engine_id, record.endpoint, {"track": track})
+        revision += 1
+        table.store.apply([Change(f"/k/{engine_id}", engine_id, revision, labelled)])
+    router = Router(table, split={"track=stable": 95, "track=canary": 5})
+    shares = {}
+    for kind in ("picks", "keys"):
+        canaries = 0
+        for i in range(picks):
+            handle = router.pick([1], 1, session_key=i if kind == "keys" else None)
+            canaries += handle.group == "track=canary"
+            handle.release()
+        shares[kind] = canaries / picks
+    return shares
+
+
 def routers_agree(engines: int, routers: int, keys: int) -> float:
     """The share of keys every router (each with its own table of the same engines) places
     on the same engine."""
@@ -315,6 +340,7 @@ def main() -> None:
         spread[row, "distinct"] = load_spread(64, row, distinct, steps, random.Random(7))
     entries, per_entry = index_bytes_per_entry(prompts)
     moves = key_moves(64, 10_000)
+    canary = split_share(64, 10_000)
     agreement = routers_agree(64, 8, 10_000)
 
     lines = [
@@ -340,6 +366,8 @@ def main() -> None:
         "8 routers (tables alike, no load); keys moved when an engine leaves "
         f"{moves['removed']:.2%} (all of them its own: {moves['only_its_own']}), when one "
         f"joins {moves['added']:.2%} (1/N = {1 / 64:.2%}; at most 1.2/N = {1.2 / 64:.2%})",
+        f"a 95/5 split over 10,000 picks @64 engines (8 canaries): {canary['picks']:.2%} of "
+        f"the picks and {canary['keys']:.2%} of 10,000 session keys went to the canaries",
     ]
     lines += [
         "",
@@ -364,6 +392,8 @@ def main() -> None:
         Target("session keys placed alike by 8 routers, missing", 100 * (1 - agreement), 0, "%"),
         Target("session keys moved by a departure, not its own", moves["not_its_own"], 0, "keys"),
         Target("session keys moved by an arrival, x 1/N", moves["added"] * 64, 1.2, "x"),
+        Target("95/5 split, canary share off 5%", 100 * abs(canary["picks"] - 0.05), 1, "points"),
+        Target("95/5 split by key, off 5%", 100 * abs(canary["keys"] - 0.05), 1, "points"),
     ]
     targets += [
         Target(
