@@ -230,6 +230,7 @@ class Workload:
     load: float = 0.9
     seconds: float = 180.0
     cache_blocks: int = CACHE_BLOCKS  # each engine's prefix cache
+    system_tokens: tuple[int, int] = (1024, 4096)  # a system prompt's length: uniform in
 
 
 def lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
@@ -283,7 +284,7 @@ def busy_per_conversation(work: Workload, rng: random.Random, samples: int = 20_
     """Mean slot-seconds a conversation takes when nothing is cached (Monte Carlo)."""
     total = 0.0
     for _ in range(samples):
-        prompt = rng.randint(1024, 4096)
+        prompt = rng.randint(*work.system_tokens)
         for _ in range(draw_turns(rng, work)):
             prompt += lognormal(rng, 150, 1.0, 8, 2048)
             answer = lognormal(rng, 200, 0.8, 8, 1024)
@@ -293,12 +294,13 @@ def busy_per_conversation(work: Workload, rng: random.Random, samples: int = 20_
 
 
 class Conversation:
-    __slots__ = ("chain", "tokens", "turns")
+    __slots__ = ("chain", "key", "tokens", "turns")
 
-    def __init__(self, system: list[int], system_chain: Chain, turns: int) -> None:
+    def __init__(self, system: list[int], system_chain: Chain, turns: int, key: int) -> None:
         self.tokens = list(system)
         self.chain = system_chain.copy()
         self.turns = turns
+        self.key = key  # its session key, for rows that route by it
 
 
 # -- simulated engines -------------------------------------------------------------------
@@ -412,6 +414,8 @@ class Row:
     """Its policy reads the engines' blocks: KV increments are fed too."""
     exact: bool = False
     """The oracle: every router gets the exact global load at every change."""
+    session: bool = False
+    """Each pick gives its conversation as ``session_key``."""
 
 
 class Front:
@@ -573,7 +577,9 @@ class Simulation:
     def run(self) -> Outcome:
         started = time.process_time()
         rng, work = self.rng, self.work
-        systems = [list(segment(rng, rng.randint(1024, 4096))) for _ in range(work.systems)]
+        systems = [
+            list(segment(rng, rng.randint(*work.system_tokens))) for _ in range(work.systems)
+        ]
         chains = []
         for system in systems:
             chain = Chain()
@@ -590,6 +596,8 @@ class Simulation:
         push(rng.expovariate(rate), START, None)
         push(0.0, TICKS, None)
         exact = self.row.exact
+        session = self.row.session
+        keys = itertools.count()
         if self.row.shared_load and not exact:
             push(REPORT_INTERVAL, REPORT, None)
             push(LOAD_INTERVAL + REPORT_INTERVAL / 2, LOADS, None)
@@ -642,7 +650,9 @@ class Simulation:
             answer = lognormal(rng, 200, 0.8, 8, 1024)
             answer = min(answer, CONTEXT - len(conv.tokens))
             front = alive[self.route_rng.randrange(len(alive))] if len(alive) > 1 else alive[0]
-            handle = front.router.pick(conv.tokens, answer)
+            handle = front.router.pick(
+                conv.tokens, answer, session_key=conv.key if session else None
+            )
             engine = by_id[handle.engine_id]
             front.own[engine.index] += 1
             load[engine.index] += 1
@@ -665,7 +675,8 @@ class Simulation:
                 break
             if kind == START:
                 index = bisect.bisect_left(cumulative, rng.random() * cumulative[-1])
-                conv = Conversation(systems[index], chains[index], draw_turns(rng, work))
+                turns = draw_turns(rng, work)
+                conv = Conversation(systems[index], chains[index], turns, next(keys))
                 arrive(conv, now)
                 push(now + rng.expovariate(rate), START, None)
             elif kind == ARRIVE:
@@ -753,6 +764,11 @@ WORKLOADS = {
     # Caches an eighth the size, 16 times the system prompts: the working set is about 4
     # times the fleet's cache and evictions decide what is still there.
     "pressure": Workload(systems=4096, cache_blocks=128),
+    # Agents: one system prompt of 16 blocks that every session shares, long sessions of
+    # short steps (tool calls), each resending the whole conversation.
+    "agent": Workload(
+        systems=1, mean_turns=12.0, max_turns=40, think_seconds=1.0, system_tokens=(4096, 4096)
+    ),
 }
 PURE = "first_prefix_block c=None"  # pure affinity: the old first_prefix_block
 FPB = f"first_prefix_block c={DEFAULT_LOAD_FACTOR}"
@@ -763,7 +779,10 @@ OWN = ", own load"  # a row of routers without the shared load view
 MULTI_ROWS = ("round_robin", "load_balanced", FPB, LP, KV_AWARE, ORACLE)
 OWN_ROWS = ("load_balanced", FPB, LP)  # also on routers that count their own handles only
 RESTART_ROWS = (FPB, LP, KV_AWARE)
-PARTS = ("single", "routers", "restart", "pressure")
+SESSION = "session"  # each pick keyed by its conversation
+SESSION_PREFIX_BOUND = f"session c={DEFAULT_LOAD_FACTOR}"  # the prefix policies' bound
+AGENT_ROWS = (SESSION, SESSION_PREFIX_BOUND, LP, KV_AWARE)
+PARTS = ("single", "routers", "restart", "pressure", "agent")
 
 
 def rows(factors: Sequence[float]) -> dict[str, Row]:
@@ -788,6 +807,13 @@ def rows(factors: Sequence[float]) -> dict[str, Row]:
     made[LP] = policy("longest_prefix")
     made[KV_AWARE] = Row(lambda t, s, e: Router(t, policy="kv_aware", states=s), kv_state=True)
     made[ORACLE] = Row(lambda t, s, e: Router(t, policy=OraclePolicy(e), states=s), exact=True)
+    made[SESSION] = Row(lambda t, s, e: Router(t, policy="session", states=s), session=True)
+    made[SESSION_PREFIX_BOUND] = Row(
+        lambda t, s, e: Router(
+            t, policy="session", states=s, session_load_factor=DEFAULT_LOAD_FACTOR
+        ),
+        session=True,
+    )
     for name in OWN_ROWS:
         made[name + OWN] = Row(
             lambda t, s, e, name=name: Router(t, policy=name.split()[0]), shared_load=False
@@ -854,6 +880,9 @@ def plan(args: argparse.Namespace, seconds: float) -> list[Cell]:
     if "pressure" in parts:
         for routers in (1, max_routers(args)):
             cells += [cell("pressure", "pressure", 64, routers, row) for row in MULTI_ROWS]
+    if "agent" in parts:
+        for routers in (1, max_routers(args)):
+            cells += [cell("agent", "agent", 64, routers, row) for row in AGENT_ROWS]
     return cells
 
 
@@ -869,7 +898,7 @@ def lookup(
     engines: int = 64,
 ) -> Outcome | None:
     """A cell's outcome, whichever part ran it (one router: ``single`` or ``pressure``)."""
-    for part in ("single", "routers", "pressure"):
+    for part in ("single", "routers", "pressure", "agent"):
         out = results.get((part, workload, engines, routers, row))
         if out is not None:
             return out
@@ -920,6 +949,21 @@ def verdicts(results: dict[tuple[str, str, int, int, str], Outcome], routers: in
                     "%",
                 )
             )
+    agent_lp = lookup(results, "agent", 1, LP)
+    for count in sorted({key[3] for key in results if key[0] == "agent"}):
+        out = lookup(results, "agent", count, SESSION)
+        if out is None or agent_lp is None:
+            continue
+        name = f"@64 agent, {count} router{'s' * (count > 1)}, session"
+        targets += [
+            Target(
+                f"{name}: hit rate below one router's {LP}'s",
+                100 * (1 - out.hit_rate / agent_lp.hit_rate),
+                5,
+                "%",
+            ),
+            Target(f"{name}: peak spread", out.spread_peak, 1.5, "x"),
+        ]
     for count in sorted({key[3] for key in results if key[0] == "pressure"}):
         kv = lookup(results, "pressure", count, KV_AWARE)
         others = [

@@ -20,12 +20,15 @@ from ._errors import (
     EtcdError,
     EtcdUnavailableError,
     InvalidRecordError,
+    InvalidSelectorError,
     NoEngineAvailableError,
+    NotACandidateError,
     OverloadedError,
     PermissionDeniedError,
     RecordDecodeError,
 )
 from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
+from ._fleet import ControlResult, FleetClient, RequestLostError
 from ._follower import EngineState, EngineStates, EngineStatesHealth
 from ._handoff import (
     EngineRole,
@@ -48,6 +51,7 @@ from ._policies import (
     Policy,
     RoundRobinPolicy,
     RoutingPolicy,
+    SessionPolicy,
 )
 from ._port import EtcdPort
 from ._record import EngineRecord, EngineStatus
@@ -60,11 +64,13 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import Explanation, PickHandle, Router, RouterHealth
+from ._router import Explanation, PickHandle, PickPair, Router, RouterHealth
 from ._routing import RoutingTable, watch_table
+from ._selector import Selector
 from ._session import Session
 from ._settings import Settings
 from ._signals import StopSignals, deregister_on_signals, drain_and_close
+from ._split import Split
 from ._store import EndpointEvent, EventType, RoutingSnapshot
 from ._watcher import (
     EndpointWatcher,
@@ -86,6 +92,7 @@ __all__ = [
     "ClosedError",
     "ConfigurationError",
     "Connection",
+    "ControlResult",
     "DiscoveryError",
     "EndpointEvent",
     "EndpointWatcher",
@@ -104,10 +111,12 @@ __all__ = [
     "EventType",
     "Explanation",
     "FirstPrefixBlockPolicy",
+    "FleetClient",
     "HandoffKey",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
     "InvalidRecordError",
+    "InvalidSelectorError",
     "KeySpace",
     "KvLayout",
     "KvTransferBackend",
@@ -117,9 +126,11 @@ __all__ = [
     "Metrics",
     "MetricsHooks",
     "NoEngineAvailableError",
+    "NotACandidateError",
     "OverloadedError",
     "PermissionDeniedError",
     "PickHandle",
+    "PickPair",
     "PickRequest",
     "Policy",
     "PrefixCachingCoordinatorPolicy",
@@ -129,14 +140,18 @@ __all__ = [
     "Registration",
     "RegistrationHealth",
     "RegistrationState",
+    "RequestLostError",
     "RoundRobinPolicy",
     "Router",
     "RouterHealth",
     "RoutingPolicy",
     "RoutingSnapshot",
     "RoutingTable",
+    "Selector",
     "Session",
+    "SessionPolicy",
     "Settings",
+    "Split",
     "StopSignals",
     "WatcherHealth",
     "WatcherState",

@@ -3,13 +3,15 @@
     DiscoveryError
     ├── ConfigurationError (ValueError)     bad settings: URL, TLS files, timeouts
     ├── InvalidRecordError (ValueError)     bad endpoint, engine id, namespace, labels, size
-    │   └── RecordDecodeError               a stored value that cannot be decoded (names the key)
+    │   ├── RecordDecodeError               a stored value that cannot be decoded (names the key)
+    │   └── InvalidSelectorError            a label selector that does not parse (names the term)
     ├── EtcdError                           etcd answered with, or failed by, a runtime error
     │   ├── EtcdUnavailableError            no member reachable / timed out after retries
     │   ├── PermissionDeniedError           authentication failed or the role lacks permission
     │   └── EngineConflictError             the engine id is held by another live lease
     ├── NoEngineAvailableError              no engine in the routing table can serve a request
-    │   └── OverloadedError                 engines pass the filters, none has room in time
+    │   ├── OverloadedError                 engines pass the filters, none has room in time
+    │   └── NotACandidateError              a pick pinned to an engine that is no candidate
     └── ClosedError (RuntimeError)          misuse: an object used after close()/stop()
 
 Record validation itself keeps Megatron-Core's types (``TypeError``/``ValueError``/
@@ -26,7 +28,9 @@ __all__ = [
     "EtcdError",
     "EtcdUnavailableError",
     "InvalidRecordError",
+    "InvalidSelectorError",
     "NoEngineAvailableError",
+    "NotACandidateError",
     "OverloadedError",
     "PermissionDeniedError",
     "RecordDecodeError",
@@ -52,6 +56,24 @@ class RecordDecodeError(InvalidRecordError):
         super().__init__(f"cannot decode value at {key!r}: {reason}")
         self.key = key
         self.reason = reason
+
+
+class InvalidSelectorError(InvalidRecordError):
+    """A label selector's text is malformed, or a key or value in it is not allowed.
+
+    ``selector`` is the text, ``column`` where the problem is (1-based), ``term`` the
+    requirement it is in, ``problem`` what is wrong there.
+    """
+
+    def __init__(self, selector: str, column: int, term: str, problem: str) -> None:
+        where = f"column {column}" + (
+            f" (term {term!r})" if term and term != selector.strip() else ""
+        )
+        super().__init__(f"invalid selector {selector!r}, {where}: {problem}")
+        self.selector = selector
+        self.column = column
+        self.term = term
+        self.problem = problem
 
 
 class EtcdError(DiscoveryError):
@@ -108,6 +130,17 @@ class OverloadedError(NoEngineAvailableError):
         self.load = load
         self.waited = waited
         self.queued = queued
+
+
+class NotACandidateError(NoEngineAvailableError):
+    """A pick pinned to an engine (``engine_id=``) that is no candidate now.
+
+    ``explanation`` is ``Router.explain``'s answer for it: why, filter by filter.
+    """
+
+    def __init__(self, message: str, explanation: object) -> None:
+        super().__init__(message)
+        self.explanation = explanation
 
 
 class ClosedError(DiscoveryError, RuntimeError):

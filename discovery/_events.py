@@ -79,11 +79,11 @@ from ._record import (
     EngineStatus,
     endpoint_from_dict,
     validate_engine_id,
-    validate_labels,
     validate_weight_version,
 )
 from ._registration import Registration, default_engine_id, register_record
 from ._relay import StateRelay, bind_socket
+from ._selector import validate_labels
 from ._session import check_ttl
 
 if TYPE_CHECKING:

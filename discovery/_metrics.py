@@ -142,6 +142,10 @@ class MetricsHooks(Protocol):
         """A mass lease loss: ``engines`` more engines kept routable as unconfirmed."""
         return None
 
+    def split_empty(self, group: str) -> None:
+        """A pick found no candidate in a split's group: its share went to the others."""
+        return None
+
     def observe_router(self, router: Any) -> None:
         """Read ``router``'s in-flight requests at scrape time."""
         return None
@@ -297,6 +301,11 @@ class Metrics(MetricsHooks):
             "discovery_router_overloaded_total",
             "Picks refused by admission: no engine had room within the pick's wait.",
         )
+        self._split_empty = counter(
+            "discovery_router_split_empty_total",
+            "Picks that found no candidate in a split's group (its share went to the others).",
+            ("group",),
+        )
         self._unconfirmed = counter(
             "discovery_router_unconfirmed_total",
             "Engines kept routable as unconfirmed after their records went in a mass lease loss.",
@@ -444,6 +453,10 @@ class Metrics(MetricsHooks):
         """Count engines kept routable as unconfirmed after a mass lease loss."""
         self._unconfirmed.inc(engines)
 
+    def split_empty(self, group: str) -> None:
+        """Count a pick whose split group had no candidate."""
+        self._split_empty.labels(group).inc()
+
     def request_failed(self, outcome: str) -> None:
         """Count a failed request and what it did: ``fenced``, ``limited`` or nothing."""
         self._failed.inc()
@@ -493,7 +506,7 @@ class _LiveCollector:
             labels=["selector", "status"],
         )
         for table in list(metrics._tables):
-            selector = ",".join(f"{k}={v}" for k, v in sorted(table.selector.items()))
+            selector = str(table.selector)
             counts = Counter(record.status.value for record in table.snapshot().values())
             for status in _STATUSES:
                 engines.add_metric([selector, status], counts[status])
@@ -598,7 +611,7 @@ def _by_version(tables: list[Any]) -> Any:
         labels=["selector", "status", "weight_version"],
     )
     for table in tables:
-        selector = ",".join(f"{k}={v}" for k, v in sorted(table.selector.items()))
+        selector = str(table.selector)
         records = list(table.snapshot().values())
         present = {r.weight_version for r in records if r.weight_version is not None}
         kept = set(sorted(present)[-MAX_VERSION_LABELS:])

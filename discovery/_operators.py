@@ -192,6 +192,27 @@ def resume(
     return _rewrite(engine_id, change, settings, connection)
 
 
+def set_weight_version(
+    engine_id: str,
+    weight_version: int,
+    settings: Settings | None = None,
+    *,
+    connection: EtcdPort | None = None,
+) -> EngineRecord | None:
+    """Write a live engine's ``weight_version``, its status left as it is (never backwards).
+
+    What the fleet client writes after Megatron's SET_GENERATION_EPOCH: a paused engine
+    stays paused. Returns the record as it is now, or None when no such engine is registered.
+    """
+    version = validate_weight_version(weight_version)
+
+    def change(record: EngineRecord) -> EngineRecord:
+        check_version_order(record.weight_version, version, force=False)
+        return replace(record, weight_version=version)
+
+    return _rewrite(engine_id, change, settings, connection)
+
+
 def _rewrite(
     engine_id: str,
     change: Callable[[EngineRecord], EngineRecord],

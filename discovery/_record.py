@@ -39,13 +39,11 @@ from ._handoff import (
     validate_layout,
     validate_role,
 )
+from ._selector import SelectorLike, selector_of, validate_labels
 
 __all__ = ["EndpointLike", "EngineRecord", "EngineStatus", "RecordView", "endpoint_parts"]
 
 _NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,128}")  # and not only dots
-_LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
-_MAX_LABEL_VALUE = 256
-_MAX_LABELS = 64
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 ENDPOINT_KEYS = ("coordinator_address", "capabilities")
@@ -74,28 +72,6 @@ def validate_engine_id(engine_id: object) -> str:
 def validate_namespace(namespace: object) -> str:
     """Return ``namespace`` if it is key-safe, else raise InvalidRecordError."""
     return _check_name(namespace, "namespace")
-
-
-def validate_labels(labels: Mapping[str, str] | None) -> Mapping[str, str]:
-    """Return a read-only copy of ``labels`` after checking keys, values and count."""
-    if labels is None:
-        return _EMPTY
-    if not isinstance(labels, Mapping):
-        raise InvalidRecordError(f"labels must be a mapping, not {type(labels).__name__}")
-    if len(labels) > _MAX_LABELS:
-        raise InvalidRecordError(f"at most {_MAX_LABELS} labels are allowed, got {len(labels)}")
-    for key, value in labels.items():
-        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
-            raise InvalidRecordError(
-                f"label key {key!r} is not allowed: use 1-63 letters, digits, '.', '_', '/' or '-'"
-            )
-        if not isinstance(value, str):
-            raise InvalidRecordError(f"label {key!r} must be a string, not {type(value).__name__}")
-        if len(value) > _MAX_LABEL_VALUE or not value.isprintable():
-            raise InvalidRecordError(
-                f"label {key!r} must be printable and at most {_MAX_LABEL_VALUE} characters"
-            )
-    return MappingProxyType(dict(labels))
 
 
 class EngineStatus(enum.StrEnum):
@@ -444,9 +420,9 @@ class EngineRecord:
         record._check_together()
         return record
 
-    def matches(self, selector: Mapping[str, str] | None) -> bool:
-        """Whether every ``key: value`` of ``selector`` is among this record's labels."""
-        return not selector or all(self.labels.get(k) == v for k, v in selector.items())
+    def matches(self, selector: SelectorLike | None) -> bool:
+        """Whether this record's labels meet ``selector`` (a Selector, its text or labels)."""
+        return selector_of(selector).matches(self.labels)
 
     def metadata(self) -> dict[str, Any]:
         """Every metadata field as JSON values (``None`` where unset), in declared order."""

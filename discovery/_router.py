@@ -13,10 +13,11 @@ a ``draining`` or ``paused`` one nothing new. A handle already held on an engine
 starts draining or is paused stays valid and releases normally (its in-flight count stays
 visible in ``in_flight()``).
 
-**Candidates.** The router sees the engines of the table that carry its ``selector``
-labels. Each pick then filters them, in this order and in one place (``_pool_locked``):
+**Candidates.** The router sees the engines of the table its ``selector`` matches
+(Kubernetes' label selectors, ``discovery._selector``). Each pick then filters them, in
+this order and in one place (``_pool_locked``):
 fit (``len(prompt_tokens) + max_tokens <= context_length``), the per-call ``selector``
-(every ``key: value`` among the engine's labels), weight versions (below), and fencing
+(matched the same way), weight versions (below), and fencing
 (below). When fit, labels or ``min_weight_version`` leave nothing the pick raises
 ``NoEngineAvailableError`` naming the filter that emptied the set (and, for the version
 filter, the versions present); it never picks at random. Fencing never empties a set.
@@ -96,13 +97,15 @@ import sys
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypeVar
 
 from ._admission import DEFAULT_MAX_WAITING, Admission, Capacity, Waiter
-from ._errors import NoEngineAvailableError, OverloadedError
+from ._blockhash import block_hashes
+from ._errors import NoEngineAvailableError, NotACandidateError, OverloadedError
 from ._fencing import (
     DEFAULT_FENCE_AFTER,
     DEFAULT_FENCE_MAX_SECONDS,
@@ -110,12 +113,15 @@ from ._fencing import (
     DEFAULT_MAX_FENCED_SHARE,
     FenceBook,
 )
+from ._handoff import EngineRole, handoff_problem
 from ._metrics import NO_METRICS, MetricsHooks
+from ._pairs import DEFAULT_ALONE_BELOW, DEFAULT_ALONE_SHARE, Pairing, ids
 from ._policies import (
     DEFAULT_INDEX_BLOCKS,
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_GAP,
     DEFAULT_LOAD_WEIGHT,
+    DEFAULT_SESSION_LOAD_FACTOR,
     Candidate,
     Choice,
     FirstPrefixBlockPolicy,
@@ -126,16 +132,20 @@ from ._policies import (
     Policy,
     RoundRobinPolicy,
     RoutingPolicy,
+    SessionPolicy,
+    session_hash,
 )
 from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossProtection
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
 from ._routing import RoutingTable
+from ._selector import Selector, SelectorLike, selector_of
+from ._split import Rotation, Split, split_of
 from ._store import Batch, EventType, RoutingSnapshot
 
 if TYPE_CHECKING:
     from ._follower import EngineStates
 
-__all__ = ["Explanation", "PickHandle", "Router", "RouterHealth"]
+__all__ = ["Explanation", "PickHandle", "PickPair", "Router", "RouterHealth"]
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +155,14 @@ Listener = Callable[["PickHandle"], object] | asyncio.Future[str]
 _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
-_NO_LABELS: Mapping[str, str] = MappingProxyType({})
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
 _NO_IDS: frozenset[str] = frozenset()
+_PINNED = "pinned"  # the policy a pinned pick is credited to
+ALONE = frozenset({EngineRole.AGGREGATED, EngineRole.PREFILL})
+"""The roles that serve a request alone (a Megatron decode engine cannot compute a prompt)."""
+PREFILL = frozenset({EngineRole.PREFILL})
+DECODE = frozenset({EngineRole.DECODE})
+AGGREGATED = frozenset({EngineRole.AGGREGATED})
 _HELD = sys.maxsize  # a held handle's last loss to count: every one to come
 _LOST_STATUSES = {
     EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
@@ -184,13 +199,29 @@ class _Ask(NamedTuple):
 
     prompt_tokens: Sequence[int]
     max_tokens: int
-    selector: Mapping[str, str] | None
+    selector: Selector
     versions: _Versions
     block_hashes: Mapping[int, Sequence[int]] | None
     exclude: frozenset[str]
     priority: int
     admit: bool
     """Admission applies: engines without room are no candidates."""
+    session: int | None = None
+    """The session key, hashed (``session_hash``): it decides the engine."""
+    pin: str | None = None
+    """The engine the pick must go to (``engine_id=``)."""
+    fallback: bool = False
+    """A pin that is no candidate falls back to an ordinary pick (else it raises)."""
+    roles: frozenset[EngineRole] = frozenset()
+    """The roles a candidate may have (``ALONE``, set by ``_ask``; one side of a pair)."""
+    only: frozenset[str] | None = None
+    """The engines that may take it (a pair's side: those that can hand off); None: any."""
+    policy: Policy | None = None
+    """The policy that chooses (a pair's side); None: the key's, else the router's."""
+    split: Split | None = None
+    """Groups to draw one from before choosing (``split=``); None once drawn, or none."""
+    group: str | None = None
+    """The split's group drawn (its selector's text), added to ``selector``."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +298,7 @@ class PickHandle(RecordView):
         "_router",
         "_since",
         "_until",
+        "group",
         "matched_tokens",
         "policy",
         "record",
@@ -294,6 +326,8 @@ class PickHandle(RecordView):
         """For ``longest_prefix``: prompt tokens the engine was recently sent; else 0."""
         self.waited = waited
         """Seconds the pick waited for room (admission); 0 when it did not wait."""
+        self.group: str | None = None
+        """The group of the split the pick drew (its selector's text); None without one."""
 
     @property
     def released(self) -> bool:
@@ -345,6 +379,46 @@ class PickHandle(RecordView):
         return f"<PickHandle {self.engine_id} policy={self.policy} {state}{lost}>"
 
 
+class PickPair:
+    """The engines of one disaggregated request: ``prefill``, then ``decode``.
+
+    ``prefill`` is None when one engine serves the whole request (``alone``: an aggregated
+    engine, in ``decode``). Release each handle when its part is done (the prefill one once
+    the hand-off is released), or the pair at once (``release``, or leaving ``with``).
+    """
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self, prefill: PickHandle | None, decode: PickHandle) -> None:
+        self.prefill = prefill
+        """The prefill engine's handle; None when one engine serves the request alone."""
+        self.decode = decode
+        """The decode engine's handle (or the one engine's, when alone)."""
+
+    @property
+    def alone(self) -> bool:
+        """Whether one engine serves the whole request (no hand-off)."""
+        return self.prefill is None
+
+    def release(self, *, failed: bool = False) -> None:
+        """Release both handles (each once; see ``PickHandle.release``)."""
+        if self.prefill is not None:
+            self.prefill.release(failed=failed)
+        self.decode.release(failed=failed)
+
+    def __enter__(self) -> PickPair:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        for handle in (self.prefill, self.decode):
+            if handle is not None:
+                handle.__exit__(exc_type)
+
+    def __repr__(self) -> str:
+        prefill = "alone" if self.prefill is None else self.prefill.engine_id
+        return f"<PickPair {prefill} -> {self.decode.engine_id}>"
+
+
 def _lost(handle: PickHandle) -> str | None:
     """The first loss of ``handle``'s engine after it was picked (None: none yet)."""
     losses = handle._engine._losses
@@ -387,14 +461,16 @@ class Router:
     """Picks an engine per request from a live RoutingTable (see the module docs).
 
     ``policy`` is a ``RoutingPolicy`` (or its name) or a ``Policy`` instance;
-    ``selector`` restricts every pick to engines carrying those labels; ``statuses`` are
-    the record statuses a candidate may have (default ``ready`` only; add ``starting`` for
-    a warm-up client, say). For the built-in
+    ``selector`` (a ``Selector``, its text or labels to equal) restricts every pick to
+    the engines it matches; ``statuses`` are the record statuses a candidate may have
+    (default ``ready`` only; add ``starting`` for a warm-up client, say). For the built-in
     policies: ``load_factor`` is ``c`` of the load bound of the prefix policies (an
     engine takes at most ``ceil(c x`` its capacity-weighted share of the mean in-flight
     load), None for pure affinity; ``load_gap`` the utilisation gap past which
     ``longest_prefix`` load-balances; ``prefix_index_blocks`` the longest-prefix index
-    bound per engine. Fencing: ``fence_after`` consecutive failures (None: never fence),
+    bound per engine; ``session_load_factor`` the bound of session keys (1.15: a tighter
+    one than the prefixes', see ``discovery._policies``). Fencing: ``fence_after``
+    consecutive failures (None: never fence),
     ``fence_seconds`` / ``fence_max_seconds`` the first and longest fence,
     ``max_fenced_share`` the share of engines that may be fenced at once, ``clock`` the
     time source (seconds). Weight versions: ``weight_version="latest"``,
@@ -414,7 +490,7 @@ class Router:
         table: RoutingTable,
         *,
         policy: RoutingPolicy | str | Policy = RoutingPolicy.AUTO,
-        selector: Mapping[str, str] | None = None,
+        selector: SelectorLike | None = None,
         load_factor: float | None = DEFAULT_LOAD_FACTOR,
         load_gap: float = DEFAULT_LOAD_GAP,
         prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS,
@@ -437,6 +513,8 @@ class Router:
         protect_threshold: float | None = DEFAULT_THRESHOLD,
         protect_window: float = DEFAULT_WINDOW,
         protect_grace: float = DEFAULT_GRACE,
+        session_load_factor: float | None = DEFAULT_SESSION_LOAD_FACTOR,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> None:
         self._policy = _policy_argument(policy)
         if self._policy is RoutingPolicy.KV_AWARE and states is None:
@@ -452,7 +530,11 @@ class Router:
                 load_gap=load_gap,
                 prefix_index_blocks=prefix_index_blocks,
             ),
+            RoutingPolicy.SESSION: SessionPolicy(load_factor=session_load_factor),
         }
+        self._session_policy = self._builtins[RoutingPolicy.SESSION]
+        self._split = split_of(split)
+        self._rotations: dict[Split, Rotation] = {}
         self._admission = Admission(
             capacity=capacity, wait=wait or 0.0, max_waiting=max_waiting, reserve=reserve
         )
@@ -481,12 +563,13 @@ class Router:
             )
         self._table = table
         self._metrics = metrics or NO_METRICS
-        self._selector = MappingProxyType(dict(selector or {}))
+        self._selector = selector_of(selector)
         self._statuses = frozenset(validate_status(status) for status in statuses)
         self._lock = threading.Lock()
         self._snapshot: RoutingSnapshot | None = None
         self._engines: dict[str, Candidate] = {}
         self._ordered: tuple[Candidate, ...] = ()  # by context_length, longest first
+        self._roles = False  # some candidate is not aggregated (a prefill / decode fleet)
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
         self._pools: dict[tuple[object, ...], _Pool] = {}
@@ -506,8 +589,13 @@ class Router:
         return self._policy
 
     @property
-    def selector(self) -> Mapping[str, str]:
-        """The labels every picked engine carries."""
+    def split(self) -> Split | None:
+        """The router's split: groups of engines and their weights (None: no split)."""
+        return self._split
+
+    @property
+    def selector(self) -> Selector:
+        """The selector every picked engine matches."""
         return self._selector
 
     def pick(
@@ -523,10 +611,14 @@ class Router:
         exclude: Collection[str] | None = None,
         wait: float | None = None,
         priority: int = 0,
+        session_key: str | bytes | int | None = None,
+        engine_id: str | None = None,
+        fallback: bool = False,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
-        ``selector`` adds labels the engine must carry for this call. ``weight_version``
+        ``selector`` must match too, for this call. ``weight_version``
         (``"latest"``), ``min_weight_version`` and ``max_version_lag``, if any is given,
         replace the router's version options for this call. ``block_hashes``: Megatron's
         hashes of the prompt's complete blocks (``discovery.block_hashes``), per block
@@ -536,8 +628,13 @@ class Router:
         hold one hash per complete block (ValueError otherwise). ``exclude``: engine ids
         never to pick (a retry). ``wait``: seconds to wait for room (admission; turns it on
         for this pick; default the router's), ``priority``: higher first (see
-        ``discovery._admission``). Returns a held PickHandle; raises NoEngineAvailableError
-        when no engine passes the filters, OverloadedError when none had room in time.
+        ``discovery._admission``). ``session_key``: a conversation, user or agent run; every
+        router sends a key to the same engine among the candidates (rendezvous hashing,
+        under the load bound), whatever the router's policy. ``engine_id``: this engine
+        only, if it is a candidate; else NotACandidateError says why (``fallback=True``:
+        an ordinary pick instead). Returns a held PickHandle; raises
+        NoEngineAvailableError when no engine passes the filters, OverloadedError when none
+        had room in time.
         """
         ask, timeout = self._ask(
             prompt_tokens,
@@ -550,9 +647,17 @@ class Router:
             exclude=exclude,
             wait=wait,
             priority=priority,
+            session_key=session_key,
+            engine_id=engine_id,
+            fallback=fallback,
+            split=split,
         )
+        return self._pick_ask(ask, timeout)
+
+    def _pick_ask(self, ask: _Ask, timeout: float) -> PickHandle:
+        """``pick``'s work once its arguments are checked: at once, or after waiting."""
         with self._lock:
-            handle = self._first_try_locked(ask, timeout)
+            ask, handle = self._first_try_locked(ask, timeout)
             if handle is None:
                 waiter = self._queue_locked(ask, event=threading.Event())
         if handle is not None:
@@ -580,6 +685,10 @@ class Router:
         exclude: Collection[str] | None = None,
         wait: float | None = None,
         priority: int = 0,
+        session_key: str | bytes | int | None = None,
+        engine_id: str | None = None,
+        fallback: bool = False,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> PickHandle:
         """``pick`` for asyncio: waits for room without blocking the event loop.
 
@@ -597,9 +706,13 @@ class Router:
             exclude=exclude,
             wait=wait,
             priority=priority,
+            session_key=session_key,
+            engine_id=engine_id,
+            fallback=fallback,
+            split=split,
         )
         with self._lock:
-            handle = self._first_try_locked(ask, timeout)
+            ask, handle = self._first_try_locked(ask, timeout)
             if handle is None:
                 future: asyncio.Future[PickHandle] = asyncio.get_running_loop().create_future()
                 waiter = self._queue_locked(ask, future=future)
@@ -624,6 +737,213 @@ class Router:
                 served.release()  # no outcome: the caller gave up, the engine did nothing
             raise
         return self._outcome(waiter, started)
+
+    def pick_pair(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        *,
+        selector: Mapping[str, str] | None = None,
+        weight_version: Literal["latest"] | None = None,
+        min_weight_version: int | None = None,
+        max_version_lag: int | None = None,
+        block_hashes: Mapping[int, Sequence[int]] | None = None,
+        session_key: str | bytes | int | None = None,
+        pair_within: str | None = None,
+        require_within: bool = False,
+        exclude_prefill: Collection[str] | None = None,
+        exclude_decode: Collection[str] | None = None,
+        keep_prefill: PickHandle | None = None,
+        keep_decode: PickHandle | None = None,
+        decode_policy: RoutingPolicy | str | Policy = RoutingPolicy.LOAD_BALANCED,
+        allow_aggregated: bool = False,
+        alone_below: int = DEFAULT_ALONE_BELOW,
+        alone_share: float | None = DEFAULT_ALONE_SHARE,
+        wait: float | None = None,
+        priority: int = 0,
+    ) -> PickPair:
+        """Choose a prefill and a decode engine that can hand off, for one request.
+
+        Every filter of ``pick`` applies to each side (``selector``, versions, fit,
+        fencing, admission with ``wait`` and ``priority``); the sides are Megatron's roles,
+        and only engines whose ``handoff_key`` is equal are paired. The prefill engine is
+        chosen by the router's policy (by cached prefix: ``auto`` follows what the prefill
+        engines advertise, ``kv_aware`` where they relay their caches), the decode engine
+        by ``decode_policy`` (default by load). ``pair_within``: a label (a rack, an NVLink
+        domain) both should share: preferred, or required with ``require_within``.
+        ``session_key`` keeps a session on the same engines of both sides. A re-pick after
+        one side was lost keeps the other: ``keep_prefill`` / ``keep_decode`` (a held
+        handle), ``exclude_prefill`` / ``exclude_decode`` (engine ids). With
+        ``allow_aggregated``, an aggregated engine serves the request alone (no hand-off)
+        when the prompt is shorter than ``alone_below`` tokens or its relayed cache holds at
+        least ``alone_share`` of the prompt's blocks, or when no pair can be made (see
+        ``discovery._pairs``). Raises NoEngineAvailableError (naming why no pair can be
+        made) or OverloadedError as ``pick`` does.
+        """
+        if keep_prefill is not None and keep_decode is not None:
+            raise ValueError("keep_prefill and keep_decode: keep at most one side")
+        for kept in (keep_prefill, keep_decode):
+            if kept is not None and (kept._router is not self or kept.released):
+                raise ValueError(f"{kept!r} is no handle held on this router")
+        ask, timeout = self._ask(
+            prompt_tokens,
+            max_tokens,
+            selector=selector,
+            weight_version=weight_version,
+            min_weight_version=min_weight_version,
+            max_version_lag=max_version_lag,
+            block_hashes=block_hashes,
+            exclude=None,
+            wait=wait,
+            priority=priority,
+            session_key=session_key,
+        )
+        deadline = time.monotonic() + timeout
+        decoding = self._policy_instance(decode_policy)
+        with self._lock:
+            self._refresh_locked()
+            alone = self._alone_locked(ask, allow_aggregated, alone_below, alone_share)
+            if alone is None:
+                try:
+                    prefill_ask = self._prefill_ask_locked(
+                        ask,
+                        exclude_prefill,
+                        exclude_decode,
+                        pair_within,
+                        require_within,
+                        keep_decode=keep_decode,
+                    )
+                except NoEngineAvailableError:
+                    alone = self._alone_locked(ask, allow_aggregated, None, None)
+                    if alone is None:
+                        raise
+        if alone is not None:
+            return PickPair(None, self._pick_ask(alone, timeout))
+        prefill = keep_prefill or self._pick_ask(prefill_ask, timeout)
+        try:
+            with self._lock:
+                self._refresh_locked()
+                near, every = self._partners_locked(
+                    ask, prefill, exclude_decode, pair_within, require_within
+                )
+            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=ids(every))
+            decode = keep_decode or self._decode_locked_or_wait(decode_ask, near, every, deadline)
+        except BaseException:
+            if keep_prefill is None:
+                prefill.release()  # no outcome: the engine did nothing
+            raise
+        return PickPair(prefill, decode)
+
+    def _decode_locked_or_wait(
+        self,
+        ask: _Ask,
+        near: Sequence[Candidate],
+        every: Sequence[Candidate],
+        deadline: float,
+    ) -> PickHandle:
+        """The decode side: a partner within the label first, if one has room now."""
+        if near and len(near) < len(every):
+            with contextlib.suppress(OverloadedError):
+                return self._pick_ask(ask._replace(only=ids(near)), 0.0)
+        return self._pick_ask(ask, max(0.0, deadline - time.monotonic()))
+
+    def _policy_instance(self, policy: RoutingPolicy | str | Policy) -> Policy:
+        chosen = _policy_argument(policy)
+        if isinstance(chosen, Policy):
+            return chosen
+        if chosen not in self._builtins:
+            raise ValueError(f"policy {chosen.value!r} cannot choose one side of a pair")
+        return self._builtins[chosen]
+
+    def _prefill_ask_locked(
+        self,
+        ask: _Ask,
+        exclude_prefill: Collection[str] | None,
+        exclude_decode: Collection[str] | None,
+        within: str | None,
+        required: bool,
+        *,
+        keep_decode: PickHandle | None,
+    ) -> _Ask:
+        """The prefill side's pick: the prefill engines some decode candidate can take."""
+        prefill = ask._replace(roles=PREFILL, exclude=frozenset(exclude_prefill or ()))
+        prefills = self._side_locked(prefill)
+        if keep_decode is not None:
+            decodes: Sequence[Candidate] = (keep_decode._engine,)
+        else:
+            decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
+            decodes = self._side_locked(decode)
+        pairing = Pairing.of(decodes)
+        viable = [p for p in prefills if pairing.partners(p, within, required)[1]]
+        if not viable:
+            raise NoEngineAvailableError(
+                f"no pair can hand off: none of the {len(prefills)} prefill candidates has a "
+                f"compatible decode candidate among {len(decodes)}"
+                + (f" with the same {within!r} label" if within and required else "")
+                + (f" ({handoff_problem(prefills[0].record, decodes[0].record)})"
+                   if prefills and decodes else "")
+            )  # fmt: skip
+        return prefill._replace(only=ids(viable))
+
+    def _partners_locked(
+        self,
+        ask: _Ask,
+        prefill: PickHandle,
+        exclude_decode: Collection[str] | None,
+        within: str | None,
+        required: bool,
+    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """The decode candidates ``prefill``'s engine can hand off to: (near, all)."""
+        decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
+        pairing = Pairing.of(self._side_locked(decode))
+        near, every = pairing.partners(prefill._engine, within, required)
+        if not every:
+            raise NoEngineAvailableError(
+                f"no decode candidate can take {prefill.engine_id}'s hand-off now"
+            )
+        return near, every
+
+    def _side_locked(self, ask: _Ask) -> tuple[Candidate, ...]:
+        """One side's candidates: every filter but capacity (a pick waits for room)."""
+        pool = self._pool_locked(
+            ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
+        )
+        return tuple(e for e in pool.candidates if e.engine_id not in ask.exclude)
+
+    def _alone_locked(
+        self, ask: _Ask, allowed: bool, below: int | None, share: float | None
+    ) -> _Ask | None:
+        """The ask for one aggregated engine serving the request alone, or None (a pair).
+
+        ``below`` and ``share`` None: alone whenever an aggregated engine is a candidate.
+        """
+        if not allowed:
+            return None
+        alone = ask._replace(roles=AGGREGATED)
+        try:
+            engines = self._side_locked(alone)
+        except NoEngineAvailableError:
+            return None
+        length = len(ask.prompt_tokens)
+        if (below is None and share is None) or (below is not None and length < below):
+            return alone
+        states = self._states
+        if share is None or states is None:
+            return None
+        best, held = None, 0.0
+        for engine in engines:
+            blocks = length // engine.block_size
+            if not blocks or not engine.record.state_address:
+                continue
+            hashes = (ask.block_hashes or {}).get(engine.block_size) or block_hashes(
+                ask.prompt_tokens, engine.block_size
+            )
+            cached = states.cached_prefix(engine.engine_id, hashes) or 0
+            if cached / blocks > held:
+                best, held = engine, cached / blocks
+        if best is None or held < share:
+            return None
+        return alone._replace(only=frozenset({best.engine_id}))
 
     def explain(
         self,
@@ -728,7 +1048,8 @@ class Router:
     def __repr__(self) -> str:
         engines = len(self._engines)
         return (
-            f"<Router policy={self._policy_name} selector={dict(self._selector)} engines={engines}>"
+            f"<Router policy={self._policy_name} selector={str(self._selector)!r} "
+            f"engines={engines}>"
         )
 
     @property
@@ -742,7 +1063,7 @@ class Router:
         prompt_tokens: Sequence[int],
         max_tokens: int,
         *,
-        selector: Mapping[str, str] | None,
+        selector: SelectorLike | None,
         weight_version: Literal["latest"] | None,
         min_weight_version: int | None,
         max_version_lag: int | None,
@@ -750,6 +1071,10 @@ class Router:
         exclude: Collection[str] | None,
         wait: float | None,
         priority: int,
+        session_key: str | bytes | int | None = None,
+        engine_id: str | None = None,
+        fallback: bool = False,
+        split: Split | Mapping[SelectorLike, float] | None = None,
     ) -> tuple[_Ask, float]:
         """The pick's arguments, checked, and how long it may wait for room."""
         # type() is: the common case costs one comparison (bool is an int subclass: refused)
@@ -783,29 +1108,76 @@ class Router:
             admit, timeout = True, wait
         else:
             raise ValueError(f"wait must be >= 0 seconds and finite, got {wait!r}")
+        session = None if session_key is None else session_hash(session_key)
+        if engine_id is not None and not isinstance(engine_id, str):
+            raise TypeError(f"engine_id must be a string, not {type(engine_id).__name__}")
         ask = _Ask(
-            prompt_tokens, max_tokens, selector, versions, block_hashes, excluded, priority, admit
+            prompt_tokens,
+            max_tokens,
+            selector_of(selector),
+            versions,
+            block_hashes,
+            excluded,
+            priority,
+            admit,
+            session,
+            engine_id,
+            fallback,
+            ALONE,
+            split=self._split if split is None else split_of(split),
         )
         return ask, timeout
 
-    def _first_try_locked(self, ask: _Ask, timeout: float) -> PickHandle | None:
-        """Pick at once if there is room; None: the pick must wait (it may)."""
+    def _first_try_locked(self, ask: _Ask, timeout: float) -> tuple[_Ask, PickHandle | None]:
+        """Pick at once if there is room; else the pick must wait (it may) with its ask.
+
+        A split's group is drawn here: a waiting pick waits for room in its group.
+        """
         self._refresh_locked()
         if self._admission.waiters:
             self._serve_locked()  # those waiting come first
         try:
+            if ask.split is not None:
+                ask = self._grouped_locked(ask)
             handle = self._try_locked(ask, None)
         except NoEngineAvailableError:
             self._metrics.no_engine()
             raise
         if handle is not None:
-            return handle
+            return ask, handle
         queued = len(self._admission.waiters)
         if timeout <= 0 or queued >= self._admission.max_waiting:
             self._metrics.overloaded()
             why = "no wait allowed" if timeout <= 0 else f"{queued} picks wait already"
             raise self._overloaded_locked(ask, 0.0, why)
-        return None
+        return ask, None
+
+    def _grouped_locked(self, ask: _Ask) -> _Ask:
+        """Draw the split's group (among those with a candidate); the ask within it."""
+        split = ask.split
+        assert split is not None
+        available = []
+        for index, (group, _) in enumerate(split.groups):
+            try:
+                self._side_locked(ask._replace(selector=ask.selector & group))
+            except NoEngineAvailableError:
+                self._metrics.split_empty(str(group))  # its share goes to the others
+                continue
+            available.append(index)
+        if not available:
+            groups = ", ".join(str(group) for group, _ in split.groups)
+            raise NoEngineAvailableError(f"no group of the split has a candidate: {groups}")
+        if ask.session is not None:
+            index = split.rendezvous(ask.session, available)
+        else:
+            rotation = self._rotations.get(split)
+            if rotation is None:
+                if len(self._rotations) >= _MAX_POOLS:
+                    self._rotations.clear()
+                rotation = self._rotations[split] = Rotation(split)
+            index = rotation.next(available)
+        group = split.groups[index][0]
+        return ask._replace(selector=ask.selector & group, split=None, group=str(group))
 
     def _queue_locked(
         self,
@@ -854,7 +1226,14 @@ class Router:
 
         ``started``: when a waiting pick began to wait (None: it did not).
         """
-        pool = self._pool_locked(ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions)
+        try:
+            pool = self._pool_locked(
+                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
+            )
+        except NoEngineAvailableError:
+            if ask.pin is not None and not ask.fallback:
+                raise self._not_a_candidate_locked(ask) from None
+            raise
         candidates = pool.candidates
         if ask.exclude:
             candidates = tuple(e for e in candidates if e.engine_id not in ask.exclude)
@@ -863,9 +1242,26 @@ class Router:
                     f"every one of the {len(pool.candidates)} candidate engines is excluded "
                     f"({', '.join(sorted(ask.exclude))})"
                 )
-        policy = pool.policy
+        if ask.only is not None:
+            candidates = tuple(e for e in candidates if e.engine_id in ask.only)
+            if not candidates:
+                raise NoEngineAvailableError(
+                    f"none of the {len(pool.candidates)} candidate {'/'.join(ask.roles)} "
+                    f"engines is among the {len(ask.only)} that can take it"
+                )
+        if ask.pin is not None:
+            pinned = tuple(e for e in candidates if e.engine_id == ask.pin)
+            if pinned:
+                return self._pinned_locked(pinned[0], ask, started)
+            if not ask.fallback:
+                raise self._not_a_candidate_locked(ask)
+        policy = self._session_policy if ask.session is not None else ask.policy or pool.policy
         request = PickRequest(
-            ask.prompt_tokens, ask.max_tokens, ask.selector or _NO_LABELS, ask.block_hashes
+            ask.prompt_tokens,
+            ask.max_tokens,
+            ask.selector,
+            ask.block_hashes,
+            ask.session,
         )
         choice = policy.choose(candidates, request)
         engine = choice.candidate if isinstance(choice, Choice) else choice
@@ -888,7 +1284,33 @@ class Router:
         engine._acquire()
         self._held += 1
         waited = 0.0 if started is None else time.monotonic() - started
-        return PickHandle(self, engine, name, matched, waited)
+        handle = PickHandle(self, engine, name, matched, waited)
+        handle.group = ask.group
+        return handle
+
+    def _pinned_locked(
+        self, engine: Candidate, ask: _Ask, started: float | None
+    ) -> PickHandle | None:
+        """A pick pinned to ``engine`` (a candidate): held, or None while it has no room."""
+        if ask.admit and not self._admission.has_room(engine, ask.priority):
+            return None
+        engine._acquire()
+        self._held += 1
+        waited = 0.0 if started is None else time.monotonic() - started
+        handle = PickHandle(self, engine, _PINNED, 0, waited)
+        handle.group = ask.group
+        return handle
+
+    def _not_a_candidate_locked(self, ask: _Ask) -> NotACandidateError:
+        assert ask.pin is not None
+        explanation = self._explain_locked(ask.pin, ask, True)
+        return NotACandidateError(
+            f"engine {ask.pin} is no candidate ({explanation.reason}): "
+            + "; ".join(
+                f"{name}: {detail}" for name, ok, detail in explanation.checks if ok is False
+            ),
+            explanation,
+        )
 
     def _serve_locked(self) -> None:
         """Give room to waiting picks, in their order (a set without room is tried once)."""
@@ -913,7 +1335,7 @@ class Router:
     def _overloaded_locked(self, ask: _Ask, waited: float, why: str) -> OverloadedError:
         try:
             pool = self._pool_locked(
-                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions
+                ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
             )
             engines = pool.candidates
         except NoEngineAvailableError:
@@ -938,10 +1360,13 @@ class Router:
 
     def _pool_key_locked(self, ask: _Ask) -> object:
         return (
-            tuple(sorted(ask.selector.items())) if ask.selector else (),
+            ask.selector,
             self._fit_locked(len(ask.prompt_tokens) + ask.max_tokens),
             ask.versions,
             ask.exclude,
+            ask.pin,
+            ask.roles,
+            ask.only,
         )
 
     # -- outcomes and notices ----------------------------------------------------------
@@ -1079,7 +1504,8 @@ class Router:
     def _lost_locked(self, engines: list[tuple[str, Candidate]], snapshot: RoutingSnapshot) -> None:
         """Ready engines whose records went unannounced: kept unconfirmed, or evicted."""
         ready = sum(
-            r.status is EngineStatus.READY and r.matches(self._selector) for r in snapshot.values()
+            r.status is EngineStatus.READY and self._selector.matches(r.labels)
+            for r in snapshot.values()
         )
         kept = self._protection.lost(engines, ready)
         if not kept:
@@ -1122,7 +1548,7 @@ class Router:
         """Rebuild the derived state for a new table snapshot (and the unconfirmed engines)."""
         engines: dict[str, Candidate] = {}
         for engine_id, record in snapshot.items():
-            if not record.matches(self._selector):
+            if not self._selector.matches(record.labels):
                 continue
             engine = self._engines.get(engine_id)
             if engine is None:
@@ -1146,6 +1572,7 @@ class Router:
         ordered = sorted(candidates, key=lambda e: (-e.context_length, e.engine_id))
         self._engines = engines
         self._ordered = tuple(ordered)
+        self._roles = any(e.record.role is not EngineRole.AGGREGATED for e in ordered)
         self._neg_context = [-e.context_length for e in ordered]
         self._min_context = ordered[-1].context_length if ordered else 0
         self._pools.clear()
@@ -1172,21 +1599,24 @@ class Router:
 
     def _pool_locked(
         self,
-        selector: Mapping[str, str] | None,
+        selector: Selector,
         prompt_len: int,
         max_tokens: int,
         versions: _Versions = _NO_VERSIONS,
+        roles: frozenset[EngineRole] = ALONE,
     ) -> _Pool:
-        """The candidates of one pick: every filter runs here (fit, labels, versions, fences)."""
+        """The candidates of one pick: every filter runs here (role, fit, labels, versions...)."""
         fit = self._fit_locked(prompt_len + max_tokens)
-        key = (tuple(sorted(selector.items())) if selector else (), fit, versions)
+        key = (selector, fit, versions, roles)
         pool = self._pools.get(key)
         if pool is None:
             engines = self._ordered[:fit]
+            if roles is not ALONE or self._roles:  # else every engine serves alone
+                engines = tuple(e for e in engines if e.record.role in roles)
             if selector:
-                engines = tuple(e for e in engines if e.record.matches(selector))
+                engines = tuple(e for e in engines if selector.matches(e.record.labels))
             if not engines:
-                raise self._no_engine_locked(selector, prompt_len, max_tokens)
+                raise self._no_engine_locked(selector, prompt_len, max_tokens, roles)
             if versions is not _NO_VERSIONS:
                 engines = _by_version(engines, versions)
             engines = self._unfenced_locked(engines, key)
@@ -1215,7 +1645,11 @@ class Router:
         return engines
 
     def _no_engine_locked(
-        self, selector: Mapping[str, str] | None, prompt_len: int, max_tokens: int
+        self,
+        selector: Selector,
+        prompt_len: int,
+        max_tokens: int,
+        roles: frozenset[EngineRole] = ALONE,
     ) -> NoEngineAvailableError:
         total = len(self._snapshot or ())
         if not total and not self._engines:
@@ -1225,8 +1659,8 @@ class Router:
             )
         if not self._engines:
             return NoEngineAvailableError(
-                f"none of the {total} engines in the table carries the router's labels "
-                f"{dict(self._selector)}"
+                f"none of the {total} engines in the table matches the router's selector "
+                f"'{self._selector}'"
             )
         if not self._ordered:
             seen: dict[str, int] = {}
@@ -1237,11 +1671,20 @@ class Router:
                 f"{' or '.join(sorted(self._statuses))} "
                 f"({', '.join(f'{n} {status}' for status, n in sorted(seen.items()))})"
             )
-        matching = [e for e in self._ordered if e.record.matches(selector)]
+        playing = [e for e in self._ordered if e.record.role in roles]
+        if not playing:
+            by_role = Counter(str(engine.record.role) for engine in self._ordered)
+            wanted = " or ".join(sorted(map(str, roles)))
+            return NoEngineAvailableError(
+                f"none of the {len(self._ordered)} candidate engines is {wanted} "
+                f"({', '.join(f'{n} {role}' for role, n in sorted(by_role.items()))})"
+                + ("; a decode engine takes requests only from pick_pair" if roles == ALONE else "")
+            )
+        matching = [e for e in playing if selector.matches(e.record.labels)]
         if not matching:
             return NoEngineAvailableError(
-                f"none of the {len(self._engines)} engines the router sees carries the "
-                f"labels {dict(selector or {})}"
+                f"none of the {len(self._engines)} engines the router sees matches the "
+                f"selector '{selector}'"
             )
         return NoEngineAvailableError(
             f"no engine fits {prompt_len + max_tokens} tokens (prompt {prompt_len} + "
@@ -1263,7 +1706,10 @@ class Router:
                 checks.append(("table", False, "not in the routing table"))
                 return verdict(False, "absent")
             checks.append(("table", True, "in the routing table"))
-            checks.append(("labels", False, f"lacks the router's labels {dict(self._selector)}"))
+            unmet = self._selector.unmet(record.labels)
+            checks.append(
+                ("labels", False, f"fails '{unmet}' of the router's selector '{self._selector}'")
+            )
             return verdict(False, "labels")
         ages = self._protection.ages()
         unconfirmed = ages.get(engine_id)
@@ -1277,7 +1723,15 @@ class Router:
                 "loss, kept routable until it comes back or the engine is seen dead",
             )
         )
-        checks.append(("labels", True, f"carries the router's labels {dict(self._selector)}"))
+        checks.append(
+            (
+                "labels",
+                True,
+                f"matches the router's selector '{self._selector}'"
+                if self._selector
+                else "the router has no selector",
+            )
+        )
         status = engine.record.status
         if status not in self._statuses:
             checks.append(
@@ -1309,9 +1763,15 @@ class Router:
         else:
             checks.append(("fit", None, "no request given"))
         if ask.selector:
-            carries = engine.record.matches(ask.selector)
-            checks.append(("selector", carries, f"labels {dict(ask.selector)}"))
-            if not carries:
+            unmet = ask.selector.unmet(engine.record.labels)
+            checks.append(
+                (
+                    "selector",
+                    unmet is None,
+                    f"'{ask.selector}'" + ("" if unmet is None else f": its labels fail '{unmet}'"),
+                )
+            )
+            if unmet is not None:
                 return "selector"
         else:
             checks.append(("selector", None, "none given"))
@@ -1329,7 +1789,7 @@ class Router:
         engines = tuple(
             e
             for e in self._ordered[: self._fit_locked(need)]
-            if not ask.selector or e.record.matches(ask.selector)
+            if ask.selector.matches(e.record.labels)
         )
         if ask.versions is not _NO_VERSIONS:
             try:

@@ -8,12 +8,13 @@ connection, a watcher and a table together.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from ._dispatch import Listeners
 from ._metrics import MetricsHooks
 from ._port import EtcdPort
 from ._record import EngineRecord
+from ._selector import Selector, SelectorLike, selector_of
 from ._settings import Settings
 from ._store import Batch, EngineStore, RoutingSnapshot
 from ._watcher import EndpointWatcher
@@ -52,9 +53,9 @@ class RoutingTable:
             metrics.observe_table(self)
 
     @property
-    def selector(self) -> Mapping[str, str]:
-        """The labels every engine in the table carries (its watcher's selector)."""
-        return self.watcher.selector if self.watcher is not None else {}
+    def selector(self) -> Selector:
+        """The selector every engine in the table matches (its watcher's)."""
+        return self.watcher.selector if self.watcher is not None else selector_of(None)
 
     def start(self, *, wait: bool = True) -> RoutingTable:
         """Start calling listeners (and the watcher, if the table owns it)."""
@@ -131,7 +132,7 @@ def watch_table(
     settings: Settings | None = None,
     *,
     namespace: str | None = None,
-    selector: Mapping[str, str] | None = None,
+    selector: SelectorLike | None = None,
     connection: EtcdPort | None = None,
     heartbeat: float = 5.0,
     progress_interval: float = 1.0,

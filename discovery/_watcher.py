@@ -46,7 +46,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
@@ -56,8 +56,9 @@ from ._dispatch import Dispatcher
 from ._errors import DiscoveryError, EtcdUnavailableError, RecordDecodeError
 from ._metrics import NO_METRICS, MetricsHooks
 from ._port import EtcdPort, KeyValue, WatchResponse
-from ._record import EngineRecord, RecordView, validate_labels
+from ._record import EngineRecord, RecordView
 from ._reflector import Reflector, WatcherState
+from ._selector import Selector, SelectorLike, selector_of
 from ._settings import Settings, positive_seconds
 from ._staleness import Freshness, default_stale_after
 from ._store import Batch, Change, EndpointEvent, EngineStore, Entry
@@ -108,11 +109,13 @@ class EndpointWatcher:
     leaves no thread or stream behind. The engines themselves live in one store
     (``watcher.store``), which a ``RoutingTable`` reads.
 
-    ``progress_interval`` (seconds, default 1) is how long the stream may stay quiet
-    before the watcher asks etcd for a progress notification; ``stale_after`` (seconds,
-    default ``progress_interval + 3 x settings.election_timeout``) is the staleness
-    above which ``health().stale`` is true. A stream that answers nothing for two
-    ``heartbeat`` s is dropped and opened again.
+    ``selector`` keeps the engines whose labels it matches: a ``Selector``, its text
+    (``"env in (a,b),!canary"``) or labels to equal (``{"model": "m"}``); a malformed one
+    raises InvalidSelectorError here. ``progress_interval`` (seconds, default 1) is how
+    long the stream may stay quiet before the watcher asks etcd for a progress
+    notification; ``stale_after`` (seconds, default ``progress_interval + 3 x
+    settings.election_timeout``) is the staleness above which ``health().stale`` is true.
+    A stream that answers nothing for two ``heartbeat`` s is dropped and opened again.
     """
 
     def __init__(
@@ -120,7 +123,7 @@ class EndpointWatcher:
         settings: Settings | None = None,
         *,
         namespace: str | None = None,
-        selector: Mapping[str, str] | None = None,
+        selector: SelectorLike | None = None,
         connection: EtcdPort | None = None,
         heartbeat: float = 5.0,
         progress_interval: float = 1.0,
@@ -130,13 +133,14 @@ class EndpointWatcher:
         for name, value in (("progress_interval", progress_interval), ("stale_after", stale_after)):
             if value is not None:
                 positive_seconds(name, value, finite=False)
+        self.selector = selector_of(selector)
+        """The engines this watcher keeps: those whose labels it matches."""
         keyspace = keyspace_for(settings, connection)
         if namespace is not None:
             keyspace = KeySpace(keyspace.root, namespace)
         self._owns_connection = connection is None
         self._conn: EtcdPort = connect(settings, metrics) if connection is None else connection
         self.prefix = keyspace.prefix
-        self.selector = validate_labels(selector)
         if stale_after is None:
             stale_after = default_stale_after(progress_interval, self._conn.election_timeout)
         self.freshness = Freshness(self.prefix, stale_after, self._describe)
@@ -263,7 +267,7 @@ class _Feed:
     def __init__(
         self,
         keyspace: KeySpace,
-        selector: Mapping[str, str],
+        selector: Selector,
         store: EngineStore,
         freshness: Freshness,
         metrics: MetricsHooks | None,
@@ -322,7 +326,7 @@ class _Feed:
             self._metrics.malformed_value(self._prefix)
             log.warning("skipping malformed value: %s", exc)
             return None
-        return record if record.matches(self._selector) else None
+        return record if self._selector.matches(record.labels) else None
 
 
 @dataclass(frozen=True)
@@ -351,18 +355,20 @@ class EngineListing:
 def list_engines(
     settings: Settings | None = None,
     *,
-    selector: Mapping[str, str] | None = None,
+    selector: SelectorLike | None = None,
     connection: EtcdPort | None = None,
     lease_ttls: bool = False,
 ) -> EngineListing:
     """Read the engines of a namespace once, at one revision (a paged, linearizable read).
 
-    ``selector`` keeps engines carrying those labels; ``lease_ttls`` also asks etcd for
+    ``selector`` keeps the engines it matches (a ``Selector``, its text, or labels to
+    equal); ``lease_ttls`` also asks etcd for
     each lease's remaining TTL (one request per engine). Bad values are skipped and
     returned in ``skipped``. Uses ``connection`` if given, else one built from
     ``settings`` (default: ``Settings.from_env()``) and closed before returning.
     """
     keyspace = keyspace_for(settings, connection)
+    selected = selector_of(selector)
     with port_for(connection, settings) as conn:
         revision, kvs = conn.list_prefix(keyspace.prefix)
         engines = []
@@ -373,7 +379,7 @@ def list_engines(
             except RecordDecodeError as exc:
                 skipped.append(exc)
                 continue
-            if not record.matches(selector):
+            if not selected.matches(record.labels):
                 continue
             ttl = None
             if lease_ttls and kv.lease:

@@ -206,9 +206,14 @@ class InferenceClient:
         if header is not Headers.CONNECT_ACK:
             raise WireError(f"the coordinator answered CONNECT with {header.name}, not CONNECT_ACK")
         self._loop = loop
-        self._fd = fd = int(self.socket.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._receive)
-        loop.call_soon(self._receive)  # replies that came with the handshake's
+        self._fd = int(self.socket.getsockopt(zmq.FD))
+        # From any thread (a fleet client handshakes off its loop): the loop adds the reader.
+        loop.call_soon_threadsafe(self._listen)
+
+    def _listen(self) -> None:
+        if self._loop is not None and self._fd is not None:  # not stopped meanwhile
+            self._loop.add_reader(self._fd, self._receive)
+            self._receive()  # replies that came with the handshake's
 
     def add_request(
         self,

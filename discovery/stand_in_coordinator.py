@@ -675,6 +675,7 @@ class StandInCoordinator:
         self._next_id = itertools.count()
         self._talking = True
         self._serving = True  # the ROUTER socket is open
+        self._paused_submits = 0
         self._thread = threading.Thread(target=self._run, name="stand-in-coordinator", daemon=True)
         self._handlers: dict[Headers, Callable[[bytes, list[Any], Headers], None]] = {
             Headers.CONNECT: self._on_connect,
@@ -705,6 +706,12 @@ class StandInCoordinator:
         """The ids (the coordinator's) of the requests the engine holds, waiting or running."""
         with self._lock:
             return [] if self._engine is None else list(self._engine.requests)
+
+    @property
+    def paused_submits(self) -> int:
+        """Submits that arrived while the engine was paused or suspended."""
+        with self._lock:
+            return self._paused_submits
 
     def pinned_handoffs(self) -> dict[int, list[int]]:
         """Hand-offs whose blocks are pinned: request id -> block ids."""
@@ -869,14 +876,22 @@ class StandInCoordinator:
 
     def _on_submit(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         submit = Submit.parse(fields)
+        self._count_paused()
         if routed := self._route(identity, submit.request_id, submit.prompt):
             engine, rid = routed
             engine.submit(rid, submit.prompt, submit.sampling_params, submit.multi_modal_data)
 
     def _on_submit_with_kv(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         handoff = SubmitWithKv.parse(fields)
+        self._count_paused()
         if routed := self._route(identity, handoff.request_id, handoff.prompt):
             routed[0].submit_with_kv(routed[1], handoff)
+
+    def _count_paused(self) -> None:
+        """A submit that reached the engine while it was not running (a refit's check)."""
+        if self._engine is not None and self._engine.state is not MegatronEngineState.RUNNING:
+            with self._lock:
+                self._paused_submits += 1
 
     def _on_release(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         rid = _int(fields, "RELEASE_KV")

@@ -170,7 +170,7 @@ def test_filters_still_raise_no_engine_at_once_under_admission() -> None:
     fleet = fleet_of(1, slots=1)
     router = Router(fleet.table, wait=30)
     started = time.monotonic()
-    with pytest.raises(NoEngineAvailableError, match="carries the labels") as error:
+    with pytest.raises(NoEngineAvailableError, match="matches the selector 'model=other'") as error:
         router.pick([1], 1, selector={"model": "other"})
     assert not isinstance(error.value, OverloadedError)
     assert time.monotonic() - started < 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -51,6 +52,27 @@ def test_list_json_and_table(settings: Settings) -> None:
             assert rows["a"][1:4] == ["ready", "-", "decode"] and rows["a"][-1] == "zone=z1"
             assert rows["b"][1:4] == ["ready", "-", "-"]  # aggregated: the absent role
             assert lines[-1] == "(2 engines)"
+
+
+def test_list_takes_set_based_selectors(settings: Settings) -> None:
+    with contextlib.ExitStack() as stack:
+        for i, (name, labels) in enumerate(
+            (("web", {"tier": "web"}), ("batch", {"tier": "x"}), ("bare", {}))
+        ):
+            stack.enter_context(
+                register_engine(make_endpoint(i), engine_id=name, labels=labels, settings=settings)
+            )
+
+        def listed(*selectors: str) -> list[str]:
+            flags = [arg for selector in selectors for arg in ("--selector", selector)]
+            result = run_cli(settings, "list", "-o", "json", *flags)
+            assert result.returncode == 0, result.stderr
+            return sorted(e["engine_id"] for e in json.loads(result.stdout)["engines"])
+
+        assert listed("tier notin (x)") == ["bare", "web"]  # no tier: not x either
+        assert listed("tier notin (x)", "tier") == ["web"]  # repeated flags: all must hold
+        assert listed("!tier") == ["bare"]
+        assert listed("tier in (x, web)") == ["batch", "web"]
 
 
 def test_register_with_a_role_and_its_hand_off_layout(settings: Settings) -> None:
@@ -164,7 +186,13 @@ def test_bad_input_exits_2_with_a_clear_message(settings: Settings, tmp_path) ->
             ["register", "--endpoint-file", str(tmp_path / "e.json"), "--engine-id", "a/b"],
             "engine id",
         ),
-        (["watch", "--selector", "novalue"], "key=value"),
+        (
+            ["watch", "--selector", "model=m", "--selector", "tier notin (x y)"],
+            "discovery watch: invalid selector 'tier notin (x y)', column 15: found 'y', "
+            "expected ',' or ')'",
+        ),
+        (["list", "--selector", "gpu,!"], "invalid selector 'gpu,!', column 6 (term '!')"),
+        (["top", "--selector", "n>1"], "'>' is not supported (Kubernetes' numeric Gt and Lt)"),
         (["register", "--role", "prefil"], "argument --role: invalid choice: 'prefil'"),
         (["launch", "--kv-transfer-backend", "ucx"], "invalid choice: 'ucx'"),
         (

@@ -31,6 +31,7 @@ from discovery import (
     EngineStates,
     EventType,
     FirstPrefixBlockPolicy,
+    InvalidSelectorError,
     LoadBalancedPolicy,
     LongestPrefixPolicy,
     NoEngineAvailableError,
@@ -42,6 +43,7 @@ from discovery import (
     Router,
     RoutingPolicy,
     RoutingTable,
+    Selector,
     Settings,
     block_hashes,
     register_engine,
@@ -140,6 +142,7 @@ def test_public_names_and_error_hierarchy() -> None:
         "first_prefix_block",
         "longest_prefix",
         "kv_aware",
+        "session",
         "auto",
     ]
     # The three advertised policies use Megatron's own values.
@@ -628,7 +631,7 @@ def test_a_user_policy_plugs_in_without_editing_the_router() -> None:
     assert {h.policy for h in held} == {"prefer_zone"}
     ids, request = policy.seen[0]
     assert ids == ("a1", "a2", "b1")
-    assert request == PickRequest([1, 2, 3], 10, {})
+    assert request == PickRequest([1, 2, 3], 10, Selector())
     # The router's filters run before the policy: too long for b1, wrong labels for a*.
     router.pick([1] * 2000, 10).release()
     assert policy.seen[-1][0] == ("a1", "a2")
@@ -832,8 +835,60 @@ def test_label_selectors_filter_before_the_policy() -> None:
     assert set(decode) == {"d1", "d2"}
     with router.pick([1], 1, selector={"role": "decode", "zone": "b"}) as handle:
         assert handle.engine_id == "d2"
-    with pytest.raises(NoEngineAvailableError, match=r"3 engines .* labels \{'model': 'qwen'\}"):
+    with pytest.raises(
+        NoEngineAvailableError, match="3 engines the router sees matches the selector 'model=qwen'"
+    ):
         router.pick([1], 1, selector={"model": "qwen"})
+
+
+def test_set_based_selectors_filter_the_router_and_each_pick() -> None:
+    fleet = Fleet()
+    fleet.add("stable", 0, labels={"model": "llama", "track": "stable", "zone": "a"})
+    fleet.add("canary", 1, labels={"model": "llama", "track": "canary", "zone": "b"})
+    fleet.add("bare", 2, labels={"model": "llama"})
+    fleet.add("qwen", 3, labels={"model": "qwen", "track": "stable"})
+    fleet.add("beta", 4, labels={"model": "llama", "beta": ""})
+    router = Router(fleet.table, policy="round_robin", selector="model in (llama,mistral),!beta")
+    assert router.selector == Selector.parse("!beta,model in (llama,mistral)")
+    assert set(picks(router, [1], 30)) == {"stable", "canary", "bare"}
+    cases = {
+        "track": {"stable", "canary"},
+        "!track": {"bare"},
+        "track!=canary": {"stable", "bare"},  # no track label: not canary either
+        "track notin (canary)": {"stable", "bare"},
+        "track in (canary, stable),zone notin (a)": {"canary"},
+        Selector.parse("zone=b"): {"canary"},
+        "track=": set(),  # the empty value, which no engine has
+    }
+    for selector, expected in cases.items():
+        chosen = set()
+        for _ in range(12):
+            try:
+                with router.pick([1], 1, selector=selector) as handle:
+                    chosen.add(handle.engine_id)
+            except NoEngineAvailableError as error:
+                assert str(error) == (
+                    f"none of the 3 engines the router sees matches the selector '{selector}'"
+                )
+        assert chosen == expected, selector
+    # A mapping is its equalities, as before.
+    assert router.pick([1], 1, selector={"zone": "a"}).engine_id == "stable"
+    assert router.pick([1], 1, selector="zone=a").engine_id == "stable"
+    explained = router.explain("canary", selector="track notin (canary)")
+    assert explained.reason == "selector"
+    fails = "'track notin (canary)': its labels fail 'track notin (canary)'"
+    assert ("selector", False, fails) in explained.checks
+    outside = router.explain("beta")
+    assert outside.reason == "labels"
+    assert outside.checks[-1] == (
+        "labels",
+        False,
+        "fails '!beta' of the router's selector '!beta,model in (llama,mistral)'",
+    )
+    with pytest.raises(InvalidSelectorError, match=r"column 10: found the end, expected a value"):
+        router.pick([1], 1, selector="zone in (")
+    with pytest.raises(InvalidSelectorError, match="'track in x'"):
+        Router(fleet.table, selector="track in x")
 
 
 def test_fit_filter_uses_prompt_plus_max_tokens() -> None:
@@ -857,7 +912,10 @@ def test_no_engine_errors_name_the_reason() -> None:
     with pytest.raises(NoEngineAvailableError, match="routing table is empty"):
         router.pick([1], 1)
     fleet.add("q", 0, labels={"model": "qwen"})
-    with pytest.raises(NoEngineAvailableError, match="1 engines in the table carries the router"):
+    with pytest.raises(
+        NoEngineAvailableError,
+        match="1 engines in the table matches the router's selector 'model=llama'",
+    ):
         router.pick([1], 1)
     fleet.add("l", 1, labels={"model": "llama"})
     assert router.pick([1], 1).engine_id == "l"

@@ -25,11 +25,14 @@ from discovery import (
     EtcdPort,
     EtcdUnavailableError,
     EventType,
+    InvalidSelectorError,
     Metrics,
     RoutingTable,
+    Selector,
     Settings,
     WatcherHealth,
     WatcherState,
+    list_engines,
     watch_table,
 )
 from discovery._codec import encode
@@ -214,6 +217,30 @@ def test_label_selector(store: Store) -> None:
         table.wait_until(lambda snap: set(snap) == {"e1", "e2"}, timeout=5)
         client.replace(k("e1"), _value(1, model="other"), 0)
         table.wait_until(lambda snap: set(snap) == {"e2"}, timeout=5)
+
+
+def test_set_based_selector_of_the_watch_and_of_a_listing(store: Store) -> None:
+    client = store.port
+    k = store.settings.keyspace.key
+    client.replace(k("e1"), _value(1, model="llama", tier="web"), 0)
+    client.replace(k("e2"), _value(2, model="llama", tier="batch"), 0)
+    client.replace(k("e3"), _value(3, model="llama"), 0)
+    client.replace(k("e4"), _value(4, model="qwen"), 0)
+    selector = "model in (llama, mistral), tier notin (batch)"
+    with watch_table(selector=selector, **store.using()) as table:
+        assert table.selector == Selector.parse(selector)
+        assert set(table.snapshot()) == {"e1", "e3"}  # e3: no tier, so not batch
+        client.replace(k("e2"), _value(2, model="llama", tier="web"), 0)  # leaves batch: in
+        table.wait_until(lambda snap: set(snap) == {"e1", "e2", "e3"}, timeout=5)
+        client.replace(k("e3"), _value(3, model="llama", tier="batch"), 0)  # out
+        client.replace(k("e4"), _value(4, model="mistral"), 0)  # in
+        table.wait_until(lambda snap: set(snap) == {"e1", "e2", "e4"}, timeout=5)
+    listing = list_engines(selector="!tier", **store.using())
+    assert [e.engine_id for e in listing.engines] == ["e4"]
+    listing = list_engines(selector=Selector.parse("tier,model"), **store.using())
+    assert sorted(e.engine_id for e in listing.engines) == ["e1", "e2", "e3"]
+    with pytest.raises(InvalidSelectorError, match="column 12: found 'x', expected '\\('"):
+        EndpointWatcher(selector="tier notin x", **store.using())
 
 
 def test_iterators_and_stop_leave_nothing_behind(store: Store) -> None:

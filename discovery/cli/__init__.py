@@ -17,7 +17,9 @@ from ._args import (
     add_launch_flags,
     add_metrics_flags,
     add_registration_flags,
+    add_selector_flag,
     add_settings_flags,
+    add_split_flag,
     add_weight_version_flag,
 )
 from ._commands import (
@@ -89,13 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="table (default), json (for scripts), or wide: the table with what each "
         "engine's state relay says (load, cached blocks; waits up to a few seconds for them)",
     )
-    lst.add_argument(
-        "--selector",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="list only engines carrying these labels",
-    )
+    add_selector_flag(lst, "list only")
+    add_split_flag(lst)
     add_settings_flags(lst)
     lst.set_defaults(func=cmd_list)
 
@@ -113,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     watch = commands.add_parser("watch", help="print one line per change until signalled")
     watch.add_argument("--format", choices=("text", "jsonl"), default="text")
-    watch.add_argument("--selector", action="append", default=[], metavar="KEY=VALUE")
+    add_selector_flag(watch, "watch only")
     add_settings_flags(watch)
     add_metrics_flags(watch)
     watch.set_defaults(func=cmd_watch)

@@ -24,7 +24,9 @@ from .. import (
     KvTransferBackend,
     Metrics,
     PrefixCachingCoordinatorPolicy,
+    Selector,
     Settings,
+    Split,
     launch,
 )
 from ._logging import log_level
@@ -305,15 +307,67 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_labels(pairs: Sequence[str], flag: str = "--label") -> dict[str, str]:
-    """``key=value`` pairs as a dict."""
+def parse_labels(pairs: Sequence[str]) -> dict[str, str]:
+    """``--label key=value`` pairs as a dict."""
     labels = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise UsageError(f"{flag} {pair!r} must look like key=value")
+            raise UsageError(f"--label {pair!r} must look like key=value")
         labels[key] = value
     return labels
+
+
+def add_selector_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """--selector: a label selector in Kubernetes' syntax, repeatable (all must hold)."""
+    parser.add_argument(
+        "--selector",
+        action="append",
+        default=[],
+        metavar="SELECTOR",
+        help=f"{what} the engines this label selector matches, in Kubernetes' syntax: "
+        "'model=m', 'env in (a,b)', 'tier notin (x)', 'zone!=z', 'gpu', '!canary', comma-"
+        "separated or the flag repeated (all must hold)",
+    )
+
+
+def add_split_flag(parser: argparse.ArgumentParser) -> None:
+    """--split SELECTOR:WEIGHT, repeatable: a router's weighted split, to show."""
+    parser.add_argument(
+        "--split",
+        action="append",
+        default=[],
+        metavar="SELECTOR:WEIGHT",
+        help="a group of a weighted split ('track=stable:95' '--split track=canary:5'): "
+        "shows each group's share and candidates, as a router with this split draws them",
+    )
+
+
+def split_from_args(args: argparse.Namespace) -> Split | None:
+    """The --split flags as a Split (None without any); UsageError naming a bad one."""
+    groups = []
+    for text in args.split:
+        group, colon, weight = text.rpartition(":")
+        try:
+            if not colon:
+                raise ValueError("no ':WEIGHT'")
+            groups.append((Selector.parse(group), float(weight)))
+        except ValueError as exc:
+            raise UsageError(
+                f"--split {text!r}: {exc} (SELECTOR:WEIGHT, e.g. 'track=canary:5')"
+            ) from None
+    try:
+        return Split(groups) if groups else None
+    except ValueError as exc:
+        raise UsageError(f"--split: {exc}") from None
+
+
+def selector_from_args(args: argparse.Namespace) -> Selector:
+    """The --selector flags as one Selector (InvalidSelectorError, exit 2, if malformed)."""
+    selector = Selector()
+    for text in args.selector:
+        selector &= Selector.parse(text)
+    return selector
 
 
 def endpoint_from_args(args: argparse.Namespace) -> tuple[InferenceEngineEndpoint, dict[str, Any]]:

@@ -23,7 +23,9 @@ from .. import (
     Metrics,
     RegistrationState,
     Router,
+    Selector,
     Settings,
+    Split,
     StopSignals,
     deregister,
     drain,
@@ -42,11 +44,13 @@ from ._args import (
     handoff_from_args,
     metrics_from_args,
     parse_labels,
+    selector_from_args,
     settings_from_args,
+    split_from_args,
 )
 from ._top import HEADERS as TOP_HEADERS
 from ._top import cells as top_cells
-from ._top import engine_rows, run_top
+from ._top import engine_rows, run_top, split_line
 
 log = logging.getLogger("discovery.cli")
 
@@ -196,7 +200,8 @@ def _cells(record: EngineRecord, *, lead: bool) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the live engines as a table (``wide``: reasons, relayed state) or as JSON."""
     settings = settings_from_args(args)
-    selector = parse_labels(args.selector, "--selector")
+    selector = selector_from_args(args)
+    split = split_from_args(args)
     listing = list_engines(settings, selector=selector, lease_ttls=True)
     for skipped in listing.skipped:
         print(f"warning: skipping {skipped}", file=sys.stderr)
@@ -213,7 +218,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps({"revision": listing.revision, "engines": out}, indent=2))
         return 0
     if args.format == "wide":
-        print(_table(listing.engines, _relayed(settings, selector, listing.engines)))
+        cells, shares = _relayed(settings, selector, listing.engines, split)
+        print(_table(listing.engines, cells))
+        if shares:
+            print(shares)
         return 0
     print(_table(listing.engines))
     return 0
@@ -225,12 +233,15 @@ LOAD = TOP_HEADERS.index("LOAD")  # top's LOAD and CACHED cells, side by side
 
 
 def _relayed(
-    settings: Settings, selector: dict[str, str], engines: tuple[ListedEngine, ...]
-) -> dict[str, tuple[str, ...]]:
-    """Engine id -> (WHY, LOAD, CACHED, STATE) cells.
+    settings: Settings,
+    selector: Selector,
+    engines: tuple[ListedEngine, ...],
+    split: Split | None = None,
+) -> tuple[dict[str, tuple[str, ...]], str]:
+    """Engine id -> (WHY, LOAD, CACHED, STATE) cells, and the split's line (or "").
 
     Why it is or is not a candidate (a router's filters, on the table as it is now), and
-    what its state relay says.
+    what its state relay says; with a split, each group's share and candidates.
     """
     relaying = [e.engine_id for e in engines if e.record.state_address]
     cells: dict[str, tuple[str, ...]] = {e.engine_id: ("-", "-", "-", "-") for e in engines}
@@ -239,7 +250,8 @@ def _relayed(
         watch_table(settings, selector=selector, connection=connection) as table,
         EngineStates(table) as states,
     ):
-        router = Router(table, selector=selector)  # passive: never picks, reports nothing
+        # Passive: never picks, reports nothing.
+        router = Router(table, selector=selector, split=split)
         present = [e for e in relaying if e in table]
         if present:
             with contextlib.suppress(TimeoutError):  # unsynced ones show as syncing
@@ -250,7 +262,8 @@ def _relayed(
                 load, cached = top_cells(row)[LOAD : LOAD + 2]
                 relay = snapshot[row.engine_id].state_address or "-"
                 cells[row.engine_id] = (row.why, load, cached, relay)
-    return cells
+        shares = split_line(router)
+    return cells, shares
 
 
 def _table(
@@ -306,14 +319,14 @@ def format_event(event: EndpointEvent, fmt: str) -> str:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Print one line per event until SIGTERM/SIGINT."""
     settings = settings_from_args(args)
-    selector = parse_labels(args.selector, "--selector")
+    selector = selector_from_args(args)
     stop = StopSignals()
     return _print_events(settings, selector, args.format, stop, metrics_from_args(args))
 
 
 def _print_events(
     settings: Settings,
-    selector: dict[str, str],
+    selector: Selector,
     fmt: str,
     stop: StopSignals,
     metrics: Metrics | None = None,
@@ -337,8 +350,9 @@ def cmd_top(args: argparse.Namespace) -> int:
     Without a terminal, one line per event as ``watch`` prints them.
     """
     settings = settings_from_args(args)
-    selector = parse_labels(args.selector, "--selector")
+    selector = selector_from_args(args)
+    split = split_from_args(args)
     stop = StopSignals()
     if not sys.stdout.isatty():
         return _print_events(settings, selector, "text", stop)
-    return run_top(settings, selector, args.sort, stop)
+    return run_top(settings, selector, args.sort, stop, split)

@@ -41,13 +41,15 @@ from .. import (
     Router,
     RoutingSnapshot,
     RoutingTable,
+    Selector,
     Settings,
+    Split,
     StopSignals,
     WatcherHealth,
     list_engines,
     watch_table,
 )
-from ._args import UsageError
+from ._args import UsageError, add_selector_flag, add_split_flag
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -204,7 +206,7 @@ class LeaseTtls:
         self,
         settings: Settings,
         connection: EtcdPort,
-        selector: Mapping[str, str],
+        selector: Selector,
         every: float = TTL_EVERY,
     ) -> None:
         self._settings = settings
@@ -261,7 +263,7 @@ class View:
     router: Router
     ttls: LeaseTtls
     prefix: str
-    selector: Mapping[str, str]
+    selector: Selector
     sort: str
     log: deque[str]
 
@@ -273,7 +275,7 @@ class View:
         by_status = ", ".join(
             f"{counts[s.value]} {s.value}" for s in EngineStatus if s.value in counts
         )
-        labels = ",".join(f"{k}={v}" for k, v in sorted(self.selector.items()))
+        selector = str(self.selector)
         fresh = (
             f"STALE {health.staleness:.0f}s (last table served)"
             if health.stale
@@ -286,7 +288,7 @@ class View:
             else ""
         )
         line = (
-            f"{self.prefix}{f' [{labels}]' if labels else ''}  rev {snapshot.revision}  "
+            f"{self.prefix}{f' [{selector}]' if selector else ''}  rev {snapshot.revision}  "
             f"{len(snapshot)} engines{f' ({by_status})' if by_status else ''}{kept}  "
             f"watcher {health.state.value}, {fresh}  sort: {self.sort}  [q] quit [s] sort"
         )
@@ -312,7 +314,30 @@ class View:
             engine, status, *rest = cells(row)
             table.add_row(engine, Text(status, style=_STATUS_STYLE.get(row.status, "")), *rest)
         title = Text(self.title(snapshot, health), style="bold red" if health.stale else "bold")
-        return Group(title, table, *(Text(line, style="dim") for line in self.log))
+        shares = split_line(self.router)
+        heads = (title, Text(shares)) if shares else (title,)
+        return Group(*heads, table, *(Text(line, style="dim") for line in self.log))
+
+
+def split_line(router: Router) -> str:
+    """The router's split: each group's share and how many candidates it has now."""
+    split = router.split
+    if split is None:
+        return ""
+    candidates = [
+        record
+        for engine_id, record in router.engines().items()
+        if router.explain(engine_id).candidate
+    ]
+    parts = []
+    for group, share in split.shares().items():
+        count = sum(Selector.parse(group).matches(r.labels) for r in candidates)
+        parts.append(
+            f"{group} {share:.0%} ({count} candidates)"
+            if count
+            else f"{group} {share:.0%} (EMPTY: its share goes to the others)"
+        )
+    return "split: " + ", ".join(parts)
 
 
 class _LogTail(logging.Handler):
@@ -369,9 +394,10 @@ def _keys() -> Iterator[Callable[[float], str]]:
 
 def run_top(
     settings: Settings,
-    selector: Mapping[str, str],
+    selector: Selector,
     sort: str,
     stop: StopSignals,
+    split: Split | None = None,
 ) -> int:
     """Draw the table until ``q`` or a stop signal; returns the exit status (0)."""
     try:
@@ -390,7 +416,7 @@ def run_top(
         Live(console=Console(), screen=True, auto_refresh=False) as live,
     ):
         # Passive: no states (it would report a load of its own to the relays), never picks.
-        router = Router(table, selector=selector)
+        router = Router(table, selector=selector, split=split)
         view = View(table, states, router, ttls, settings.keyspace.prefix, selector, sort, log)
         while not stop.wait(0):
             live.update(view.screen(), refresh=True)
@@ -403,14 +429,9 @@ def run_top(
 
 
 def add_top_flags(parser: argparse.ArgumentParser) -> None:
-    """--selector and --sort."""
-    parser.add_argument(
-        "--selector",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="show only engines carrying these labels",
-    )
+    """--selector, --split and --sort."""
+    add_selector_flag(parser, "show only")
+    add_split_flag(parser)
     parser.add_argument(
         "--sort",
         choices=SORT_KEYS,

@@ -1,0 +1,183 @@
+"""Prefill/decode pairs picked together (issue 34): compatible by Megatron's rule, within a
+label when asked, an aggregated engine alone when allowed, one side kept on a re-pick.
+
+Tables fed by hand (``Fleet``); the compatibility rule itself is tests/test_handoff.py's,
+and the figures (hit rate, spread, racks, pick cost) bench/bench_pairs.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from discovery import (
+    EngineRecord,
+    EngineStates,
+    EngineStatus,
+    EventType,
+    KvLayout,
+    NoEngineAvailableError,
+    OverloadedError,
+    PrefixCachingCoordinatorPolicy,
+    Router,
+    block_hashes,
+)
+from discovery._kvstate import pack_hashes
+
+from .helpers import make_endpoint, make_layout, wait_for
+from .test_router import Fleet
+
+LP = PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
+
+
+def add(
+    fleet: Fleet,
+    engine_id: str,
+    role: str,
+    *,
+    rack: str = "r0",
+    layout: KvLayout | None = None,
+    relay: bool = False,
+    **caps,
+) -> EngineRecord:
+    index = len(fleet.records)
+    caps.setdefault("policy", LP)
+    policy = caps.pop("policy")
+    record = EngineRecord(
+        engine_id,
+        make_endpoint(index, policy, **caps),
+        {"rack": rack},
+        role=role,
+        kv_transfer_backend=None if role == "aggregated" else "nixl",
+        kv_layout=None if role == "aggregated" else (layout or make_layout()),
+        state_address=f"tcp://127.0.0.1:{2000 + index}" if relay else None,
+    )
+    kind = EventType.UPDATED if engine_id in fleet.records else EventType.ADDED
+    fleet.records[engine_id] = record
+    fleet._deliver((kind, record))
+    return record
+
+
+def racks(fleet: Fleet) -> None:
+    """4 prefill and 4 decode engines in 2 racks."""
+    for i in range(4):
+        add(fleet, f"p{i}", "prefill", rack=f"r{i % 2}")
+        add(fleet, f"d{i}", "decode", rack=f"r{i % 2}")
+
+
+def test_pairs_are_a_prefill_and_a_compatible_decode_engine() -> None:
+    fleet = Fleet()
+    add(fleet, "p-tp4", "prefill", layout=make_layout(tp_size=4))
+    add(fleet, "d-tp1", "decode", layout=make_layout(tp_size=1))  # resharded: compatible
+    add(fleet, "d-other", "decode", layout=make_layout(head_dim=64))  # another model
+    add(fleet, "agg", "aggregated")
+    router = Router(fleet.table)
+    for _ in range(20):
+        with router.pick_pair(list(range(600)), 16) as pair:
+            assert pair.prefill is not None and not pair.alone
+            assert (pair.prefill.engine_id, pair.decode.engine_id) == ("p-tp4", "d-tp1")
+    # Ordinary picks never go to a decode engine (it cannot compute a prompt).
+    assert {router.pick([1], 1).engine_id for _ in range(20)} == {"p-tp4", "agg"}
+    # No pair at all: the reason, Megatron's.
+    only_other = Fleet()
+    add(only_other, "p", "prefill")
+    add(only_other, "d", "decode", layout=make_layout(head_dim=64))
+    with pytest.raises(NoEngineAvailableError, match=r"no pair can hand off.*head_dim"):
+        Router(only_other.table).pick_pair([1], 1)
+
+
+def test_decode_engines_are_picked_by_load() -> None:
+    fleet = Fleet()
+    add(fleet, "p", "prefill")
+    for i in range(4):
+        add(fleet, f"d{i}", "decode")
+    router = Router(fleet.table)
+    pairs = [router.pick_pair(list(range(600)), 16) for _ in range(40)]
+    assert Counter(p.decode.engine_id for p in pairs) == {f"d{i}": 10 for i in range(4)}
+
+
+def test_a_rack_constraint_required_always_holds_and_preferred_holds_while_there_is_room() -> None:
+    fleet = Fleet()
+    racks(fleet)
+    router = Router(fleet.table)
+    for _ in range(50):
+        pair = router.pick_pair(list(range(600)), 16, pair_within="rack", require_within=True)
+        assert pair.prefill is not None
+        assert pair.prefill.labels["rack"] == pair.decode.labels["rack"]
+    # Preferred: the same rack while it has room, another one after.
+    small = Fleet()
+    add(small, "p", "prefill", rack="r0")
+    add(small, "d-near", "decode", rack="r0", max_num_seqs=1)
+    add(small, "d-far", "decode", rack="r1")
+    admitted = Router(small.table, wait=0)
+    first = admitted.pick_pair([1], 1, pair_within="rack")
+    second = admitted.pick_pair([1], 1, pair_within="rack")
+    assert (first.decode.engine_id, second.decode.engine_id) == ("d-near", "d-far")
+    with pytest.raises(OverloadedError):  # required: no room in the rack means none
+        admitted.pick_pair([1], 1, pair_within="rack", require_within=True)
+    lone = Fleet()
+    add(lone, "p", "prefill", rack="r0")
+    add(lone, "d", "decode", rack="r1")
+    with pytest.raises(NoEngineAvailableError, match="same 'rack' label"):
+        Router(lone.table).pick_pair([1], 1, pair_within="rack", require_within=True)
+
+
+def test_an_aggregated_engine_serves_alone_exactly_at_the_thresholds() -> None:
+    fleet = Fleet()
+    add(fleet, "p", "prefill", kv_cache_block_size=16)
+    add(fleet, "d", "decode", kv_cache_block_size=16)
+    add(fleet, "agg", "aggregated", relay=True, kv_cache_block_size=16)
+    states = EngineStates(fleet.table).start(connect=False)
+    router = Router(fleet.table, states=states)
+    # Not allowed: always a pair.
+    assert not router.pick_pair(list(range(10)), 1).alone
+    # Shorter than alone_below: alone; at it: a pair.
+    short = router.pick_pair(list(range(63)), 1, allow_aggregated=True, alone_below=64)
+    assert short.alone and short.decode.engine_id == "agg"
+    assert not router.pick_pair(list(range(64)), 1, allow_aggregated=True, alone_below=64).alone
+    # Caching at least alone_share of the prompt's blocks: alone; one block less: a pair.
+    prompt = list(range(160))  # 10 blocks of 16
+    cached = block_hashes(prompt, 16)[:9]
+    states.feed("agg", ["hello", 1, 0, pack_hashes(cached), {}])
+    kwargs = {"allow_aggregated": True, "alone_below": 0}
+    assert router.pick_pair(prompt, 1, alone_share=0.9, **kwargs).alone
+    assert not router.pick_pair(prompt, 1, alone_share=0.91, **kwargs).alone
+    states.stop()
+
+
+def test_without_a_pair_an_allowed_aggregated_engine_serves_alone() -> None:
+    fleet = Fleet()
+    add(fleet, "d", "decode")
+    add(fleet, "agg", "aggregated")
+    router = Router(fleet.table)
+    with pytest.raises(NoEngineAvailableError, match=r"no pair|prefill"):
+        router.pick_pair([1], 1)
+    assert router.pick_pair([1], 1, allow_aggregated=True, alone_below=0).alone
+
+
+def test_a_lost_prefill_engine_tells_its_handle_and_a_re_pick_keeps_the_decode_side() -> None:
+    fleet = Fleet()
+    racks(fleet)
+    router = Router(fleet.table)
+    pair = router.pick_pair(list(range(600)), 16)
+    assert pair.prefill is not None
+    lost = pair.prefill.engine_id
+    fleet.remove(lost)
+    wait_for(lambda: pair.prefill.lost is not None, message="the prefill handle told")
+    assert pair.decode.lost is None
+    again = router.pick_pair(list(range(600)), 16, keep_decode=pair.decode)
+    assert again.decode is pair.decode and again.prefill is not None
+    assert again.prefill.engine_id != lost
+    # Excluding one side only.
+    other = router.pick_pair(list(range(600)), 16, exclude_decode=[pair.decode.engine_id])
+    assert other.decode.engine_id != pair.decode.engine_id
+    pair.release()
+    with pytest.raises(ValueError, match="no handle held"):
+        router.pick_pair([1], 1, keep_decode=pair.decode)
+    # A draining decode engine is no candidate for either side.
+    drained = dataclasses.replace(fleet.records["d1"], status=EngineStatus.DRAINING)
+    fleet.records["d1"] = drained
+    fleet._deliver((EventType.UPDATED, drained))
+    assert all(router.pick_pair([1] * 600, 16).decode.engine_id != "d1" for _ in range(20))
