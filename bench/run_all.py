@@ -41,6 +41,10 @@ BENCHMARKS = {
     "churn": ([], ["--seconds", "5"]),
     "codec": ([], ["--records", "2000"]),
     "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1"]),
+    "startup": (
+        ["--profile"],
+        ["--sizes", "1000", "--rounds", "1", "--windows", "1", "--seconds", "1"],
+    ),
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
     "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
     "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),
