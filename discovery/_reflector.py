@@ -33,7 +33,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
@@ -55,6 +55,9 @@ from ._port import (
 __all__ = ["Reflector", "ReflectorHealth", "Target", "WatcherState"]
 
 log = logging.getLogger(__name__)
+
+FIRST_PAGE = 100
+"""Keys in a listing's first page: its decoding starts sooner, while etcd reads the next."""
 
 
 class WatcherState(enum.StrEnum):
@@ -141,12 +144,25 @@ class Reflector:
         self._reconnects = 0
         self._relists = 0
         self._listed = False
+        self._listing = threading.Event()  # start() listed (list_here), or gave up
+        self._listing_error: Exception | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def start(self, revision: int | None = None, *, thread_name: str) -> None:
+    def start(
+        self,
+        revision: int | None = None,
+        *,
+        thread_name: str,
+        list_here: bool = False,
+        meanwhile: Callable[[], None] = lambda: None,
+    ) -> None:
         """Start the loop: list first, or (``revision``) watch from a revision already held.
 
+        ``list_here``: the first listing runs on the calling thread, and this returns once
+        it is in the target (or failed: the loop then goes on as after any failed listing).
+        Its first request leaves before the loop's thread starts and ``meanwhile()`` runs,
+        so both overlap its round trip; the loop's thread watches once it is in.
         Idempotent; raises ClosedError once stopped.
         """
         with self._lock:
@@ -156,17 +172,34 @@ class Reflector:
                 return
             if revision is not None:
                 self.revision, self._needs_list = revision, False
-            self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
-            self._thread.start()
+            here = list_here and self._needs_list
+            thread = threading.Thread(target=self._run, args=(here,), name=thread_name, daemon=True)
+            self._thread = thread
+        if not here:
+            meanwhile()
+            thread.start()
+            return
+        try:
+            pages = self._port.list_pages(self._range, first_page=FIRST_PAGE, timeout=0)
+            meanwhile()
+            thread.start()
+            self._relist(pages)
+        except Exception as exc:
+            # The loop's thread reports it (health, metrics, log) and backs off.
+            self._listing_error = self.last_exception = exc
+        finally:
+            self._listing.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         """End the loop and its stream, and join its thread. Idempotent."""
         self._stop.set()
+        self._listing.set()  # a loop waiting for start()'s listing ends too
         stream = self._stream
         if stream is not None:
             stream.close()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        # No ident: a start() on another thread has not started it yet (it ends at once).
+        if thread is not None and thread.ident and thread is not threading.current_thread():
             thread.join(timeout)
         with self._lock:
             self._state = WatcherState.STOPPED
@@ -193,12 +226,14 @@ class Reflector:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, listed_by_start: bool) -> None:
         attempt = 0
+        first = self._watch_after_start if listed_by_start else None
         while not self._stop.is_set():
+            step, first = first or self._list_and_watch, None
             opened = time.monotonic()
             try:
-                self._list_and_watch()
+                step()
             except Exception as exc:
                 if self._stop.is_set():
                     return
@@ -214,10 +249,19 @@ class Reflector:
                 attempt += 1
                 self._stop.wait(delay)  # a stop ends the backoff at once
 
+    def _watch_after_start(self) -> None:
+        """The loop's first step when start() lists: its outcome, then list-and-watch."""
+        self._listing.wait()
+        if self._stop.is_set():
+            return
+        if self._listing_error is not None:
+            raise self._listing_error
+        self._list_and_watch()
+
     def _list_and_watch(self) -> None:
         """List if needed, then watch until the stream ends (it always ends raising)."""
         if self._needs_list:
-            self._relist()
+            self._relist(self._port.list_pages(self._range, first_page=FIRST_PAGE, timeout=0))
         stream = self._port.open_watch(
             self._range,
             self.revision,  # inclusive: see the module docs
@@ -247,8 +291,8 @@ class Reflector:
             self._stream = None
             stream.close()
 
-    def _relist(self) -> None:
-        revision = self._target.replace(self._pages())
+    def _relist(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> None:
+        revision = self._target.replace(self._answering(pages))
         self.revision = max(self.revision, revision)
         self._needs_list = False
         if self._listed:
@@ -258,16 +302,18 @@ class Reflector:
         self._listed = True
         self._metrics.watcher_revision(self.name, self.revision, self._newest)
 
-    def _pages(self) -> Iterator[tuple[int, list[KeyValue]]]:
+    def _answering(
+        self, pages: Iterator[tuple[int, list[KeyValue]]]
+    ) -> Iterator[tuple[int, list[KeyValue]]]:
         """The listing's pages, then etcd's answer reported (state, metrics).
 
         The target reads every page before it hands the listing on, so the answer is
         reported first: a watcher whose first snapshot is in says it is connected.
         """
-        # One attempt per page: this loop's own backoff retries, and reports, failures
-        # (a revision compacted between pages too).
+        # One attempt per page (timeout=0): this loop's own backoff retries, and reports,
+        # failures (a revision compacted between pages too).
         revision = 0
-        for revision, kvs in self._port.list_pages(self._range, timeout=0):
+        for revision, kvs in pages:
             yield revision, kvs
         self._answered(revision)
 
