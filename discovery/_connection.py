@@ -272,7 +272,9 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 def _key_value(kv: Any) -> KeyValue:
-    return KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+    # tuple.__new__: the NamedTuple's own __new__ is a Python call; one per key listed.
+    fields = (kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+    return tuple.__new__(KeyValue, fields)
 
 
 class _LeaseCompare(BaseCompare):  # type: ignore[misc]

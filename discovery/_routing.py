@@ -8,7 +8,6 @@ connection, a watcher and a table together.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 
 from ._dispatch import Listeners
@@ -48,10 +47,6 @@ class RoutingTable:
             self.store = watcher.store
         self._owns_watcher = own_watcher and self.watcher is not None
         self._listeners: Listeners[TableListener] = Listeners()
-        # The table is a sink of its store only while started with listeners: without
-        # them, the store builds no events for it (a first listing's are 50,000 objects).
-        self._lock = threading.Lock()
-        self._started = False
         self._remove_sink: Callable[[], None] | None = None
         if metrics is not None:
             metrics.observe_table(self)
@@ -63,27 +58,18 @@ class RoutingTable:
 
     def start(self, *, wait: bool = True) -> RoutingTable:
         """Start calling listeners (and the watcher, if the table owns it)."""
-        with self._lock:
-            self._started = True
-            self._listen_locked()
+        if self._remove_sink is None:
+            self._remove_sink = self.store.add_sink(self, replay=False)
         if self._owns_watcher and self.watcher is not None:
             self.watcher.start(wait=wait)
         return self
 
     def stop(self) -> None:
         """Stop calling listeners (and stop the watcher, if the table owns it). Idempotent."""
-        with self._lock:
-            self._started = False
-            remove, self._remove_sink = self._remove_sink, None
-        if remove is not None:
-            remove()
+        if self._remove_sink is not None:
+            self._remove_sink()
         if self._owns_watcher and self.watcher is not None:
             self.watcher.stop()
-
-    def _listen_locked(self) -> None:
-        """Become a sink of the store, once started with a listener."""
-        if self._started and self._remove_sink is None and self._listeners:
-            self._remove_sink = self.store.add_sink(self, replay=False)
 
     def __enter__(self) -> RoutingTable:
         return self.start()
@@ -100,6 +86,10 @@ class RoutingTable:
             for listener in self._listeners:
                 self.store.dispatcher.submit(listener, batch, snapshot)
 
+    def wants(self) -> bool:
+        """Whether ``deliver`` would use a batch now: with listeners, or when overridden."""
+        return bool(self._listeners) or type(self).deliver is not RoutingTable.deliver
+
     def close(self) -> None:
         """The store closed: nothing more to deliver."""
 
@@ -108,10 +98,7 @@ class RoutingTable:
 
         Listeners run in order on a background thread, outside the table's lock.
         """
-        remove = self._listeners.add(listener)
-        with self._lock:
-            self._listen_locked()
-        return remove
+        return self._listeners.add(listener)
 
     # -- reads -------------------------------------------------------------------------
 

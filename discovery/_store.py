@@ -72,6 +72,21 @@ class EndpointEvent(RecordView):
 
 Batch = tuple[EndpointEvent, ...]
 
+# Each field's slot, set directly: the store builds an event per engine of a listing.
+_set_type, _set_key, _set_revision, _set_record = (
+    EndpointEvent.__dict__[name].__set__ for name in ("type", "key", "revision", "record")
+)
+
+
+def _event(kind: EventType, key: str, revision: int, record: EngineRecord) -> EndpointEvent:
+    """``EndpointEvent(kind, key, revision, record)`` at half the dataclass's cost."""
+    event = object.__new__(EndpointEvent)
+    _set_type(event, kind)
+    _set_key(event, key)
+    _set_revision(event, revision)
+    _set_record(event, record)
+    return event
+
 
 class Entry(NamedTuple):
     """What the store keeps per engine: its key, record and the revision that wrote it.
@@ -157,7 +172,11 @@ class RoutingSnapshot(Mapping[str, EngineRecord]):
 
 
 class Sink(Protocol):
-    """Where the store delivers batches (called under the store's lock: never block)."""
+    """Where the store delivers batches (called under the store's lock: never block).
+
+    A sink may also say whether it would use a batch now (``wants()``, else it always
+    does): a first listing's batch is built only for one that would.
+    """
 
     def deliver(self, batch: Batch) -> None:
         """Take one batch (one etcd revision, or one listing's difference)."""
@@ -196,26 +215,24 @@ class EngineStore:
             old = self._entries
             self._entries = immutables.Map(entries)
             if not old:
-                # A first listing: every engine is added. Its events are built only for
-                # sinks (a table without listeners needs none).
-                batch = _as_added(entries.values(), revision) if self._sinks else ()
+                # A first listing: every engine is added. Its events (50,000 objects at
+                # start-up) are built only if a sink wants them (a table without listeners
+                # does not).
+                wanted = any(getattr(sink, "wants", _always)() for sink in self._sinks)
+                batch = _as_added(entries.values(), revision) if wanted else ()
                 self._commit_locked(batch, revision)
                 return [EventType.ADDED] * len(entries)
             changed = [
-                EndpointEvent(EventType.REMOVED, entry.key, revision, entry.record)
+                _event(EventType.REMOVED, entry.key, revision, entry.record)
                 for engine_id, entry in old.items()
                 if engine_id not in entries
             ]
             for engine_id, entry in entries.items():
                 before = old.get(engine_id)
                 if before is None:
-                    changed.append(
-                        EndpointEvent(EventType.ADDED, entry.key, revision, entry.record)
-                    )
+                    changed.append(_event(EventType.ADDED, entry.key, revision, entry.record))
                 elif before.mod_revision != entry.mod_revision:
-                    changed.append(
-                        EndpointEvent(EventType.UPDATED, entry.key, revision, entry.record)
-                    )
+                    changed.append(_event(EventType.UPDATED, entry.key, revision, entry.record))
             self._commit_locked(tuple(changed), revision)
             return [event.type for event in changed]
 
@@ -336,12 +353,16 @@ def _change_locked(
         if old is None:
             return None
         del entries[change.engine_id]
-        return EndpointEvent(EventType.REMOVED, change.key, change.revision, old.record)
+        return _event(EventType.REMOVED, change.key, change.revision, old.record)
     entries[change.engine_id] = Entry(change.key, change.record, change.revision)
     kind = EventType.ADDED if old is None else EventType.UPDATED
-    return EndpointEvent(kind, change.key, change.revision, change.record)
+    return _event(kind, change.key, change.revision, change.record)
+
+
+def _always() -> bool:
+    return True
 
 
 def _as_added(entries: Iterable[Entry], revision: int) -> Batch:
     """The engines ``entries`` as ``added`` events at ``revision``."""
-    return tuple(EndpointEvent(EventType.ADDED, e.key, revision, e.record) for e in entries)
+    return tuple(_event(EventType.ADDED, e.key, revision, e.record) for e in entries)

@@ -152,6 +152,7 @@ class EndpointWatcher:
             heartbeat=heartbeat,
             progress_interval=progress_interval,
             metrics=metrics,
+            runner=self.store.dispatcher,  # its threads take turns: loop, callbacks
         )
         (metrics or NO_METRICS).observe_watcher(self)
 
