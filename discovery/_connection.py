@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import queue
 import random
 import threading
@@ -271,10 +272,17 @@ def _log_retry(state: RetryCallState) -> None:
         )
 
 
+_kv_fields = operator.attrgetter("key", "value", "mod_revision", "create_revision", "lease")
+_new_key_value = functools.partial(tuple.__new__, KeyValue)
+
+
 def _key_value(kv: Any) -> KeyValue:
-    # tuple.__new__: the NamedTuple's own __new__ is a Python call; one per key listed.
-    fields = (kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
-    return tuple.__new__(KeyValue, fields)
+    return _new_key_value(_kv_fields(kv))
+
+
+def _key_values(kvs: Iterable[Any]) -> list[KeyValue]:
+    """A page's keys, converted without a Python call per key (a listing has 50,000)."""
+    return list(map(_new_key_value, map(_kv_fields, kvs)))
 
 
 class _LeaseCompare(BaseCompare):  # type: ignore[misc]
@@ -420,10 +428,7 @@ class Connection(CloseHooks):
             return self._client
 
     def _follow_membership(self) -> None:
-        """Start the member-sync thread (``settings.member_sync``), once.
-
-        Called after a first request left, so that the thread starts while it travels.
-        """
+        """Start the member-sync thread (``settings.member_sync``), once."""
         if self._sync_thread is not None or not self.settings.member_sync:
             return
         with self._lock:
@@ -626,8 +631,11 @@ class Connection(CloseHooks):
 
     # -- calls --------------------------------------------------------------------------
 
-    def _attempt(self, op: Callable[[_Client], T]) -> T:
-        """Run ``op`` once on the client; every failure leaves as a DiscoveryError."""
+    def _attempt(self, op: Callable[[_Client], T], *, sync: bool = True) -> T:
+        """Run ``op`` once on the client; every failure leaves as a DiscoveryError.
+
+        ``sync``: start following the membership after it, if not yet (member_sync).
+        """
         client = None
         try:
             client = self._current()  # building it authenticates: that may fail too
@@ -644,7 +652,7 @@ class Connection(CloseHooks):
                 client._clear_old_stubs()
             raise translate(exc, self._endpoints) from exc
         finally:
-            if client is not None:
+            if sync and client is not None:
                 self._follow_membership()
 
     def call(self, op: Callable[[], T], *, timeout: float | None = None) -> T:
@@ -710,20 +718,14 @@ class Connection(CloseHooks):
     ) -> Iterator[tuple[int, list[KeyValue]]]:
         """(revision, keys) per page of ``prefix``, every page read at the first's revision.
 
-        The first page's request leaves before this returns: the caller may set up while
-        it travels. ``first_page`` keys in it (default ``page_size``): a small one gives the
+        ``first_page`` keys in the first page (default ``page_size``): a small one gives the
         caller work sooner. While the caller works on one page, the next is already on its
         way (an async request), so decoding overlaps the network. Each page is retried for
         up to ``timeout`` seconds; raises ``Compacted`` if the revision goes meanwhile.
         """
         key = prefix.encode()
         request = _Range(key, prefix_range_end(key), first_page or page_size, 0)
-        return self._pages(request, page_size, timeout, self._range_ahead(request))
-
-    def _pages(
-        self, request: _Range, page_size: int, timeout: float | None, ahead: Any
-    ) -> Iterator[tuple[int, list[KeyValue]]]:
-        page = self._range_page(request, timeout, ahead)
+        page = self._range_page(request, timeout, None)
         request = request._replace(revision=page.header.revision, limit=page_size)
         while True:
             kvs = page.kvs
@@ -731,7 +733,7 @@ class Connection(CloseHooks):
             if page.more and kvs:
                 request = request._replace(start=kvs[-1].key + b"\0")
                 ahead = self._range_ahead(request)
-            yield request.revision, list(map(_key_value, kvs))
+            yield request.revision, _key_values(kvs)
             if not (page.more and kvs):
                 return
             page = self._range_page(request, timeout, ahead)
@@ -754,21 +756,25 @@ class Connection(CloseHooks):
             )
         except Exception:  # the synchronous read of _range_page retries and reports
             return None
-        self._follow_membership()
         return _Ahead(future, client, member)
 
     def _range_page(self, request: _Range, timeout: float | None, ahead: _Ahead | None) -> Any:
-        """One page: ``ahead``'s answer (its first attempt), then (retried) reads now."""
+        """One page: ``ahead``'s answer (its first attempt), then (retried) reads now.
+
+        A listing's pages do not start the member sync (a watcher's watch does, on its own
+        thread): no thread start holds up a new watcher's first listing.
+        """
         start, end, limit, revision = request
         sent = [ahead] if ahead is not None else []
 
         def attempt() -> Any:
             if sent:
-                return self._attempt(lambda _: _compacted_as_such(sent.pop().result))
+                return self._attempt(lambda _: _compacted_as_such(sent.pop().result), sync=False)
             return self._attempt(
                 lambda c: _compacted_as_such(
                     lambda: c.get_range_response(start, end, limit=limit, revision=revision or None)
-                )
+                ),
+                sync=False,
             )
 
         return self.call(attempt, timeout=timeout)

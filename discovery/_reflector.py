@@ -144,6 +144,7 @@ class Reflector:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = False
+        self._loop_started = False
         self._thread: threading.Thread | None = None  # without a runner
         self._ended = threading.Event()  # the loop has ended
         self._stream: WatchStream | None = None
@@ -170,15 +171,15 @@ class Reflector:
         *,
         thread_name: str,
         list_here: bool = False,
-        meanwhile: Callable[[], None] = lambda: None,
+        starting: Callable[[], None] = lambda: None,
     ) -> None:
         """Start the loop: list first, or (``revision``) watch from a revision already held.
 
         ``list_here``: the first listing runs on the calling thread, and this returns once
-        it is in the target (or failed: the loop then goes on as after any failed listing).
-        Its first request leaves before the loop's thread starts and ``meanwhile()`` runs,
-        so both overlap its round trip; the loop's thread watches once it is in.
-        Idempotent; raises ClosedError once stopped.
+        it is in the target (or failed: the loop then goes on as after any failed listing);
+        the loop's thread starts once the first page is in (while etcd reads the next) and
+        watches once the listing is in. ``starting()`` runs first on the loop's thread: what
+        it starts does not hold up the listing. Idempotent; raises ClosedError once stopped.
         """
         with self._lock:
             if self._stop.is_set():
@@ -189,33 +190,35 @@ class Reflector:
             if revision is not None:
                 self.revision, self._needs_list = revision, False
             here = list_here and self._needs_list
-        steps, pages = self._steps(here), None
-        if here:
-            try:
-                pages = self._port.list_pages(self._range, first_page=FIRST_PAGE, timeout=0)
-            except Exception as exc:
-                self._listing_error = exc
-        meanwhile()
-        if self._runner is not None:
-            try:
-                self._runner.drive(steps, thread_name)
-            except RuntimeError:  # a stop() on another thread closed it meanwhile
-                self._ended.set()
-                raise ClosedError(f"watch of {self.name} is stopped") from None
-        else:
+        steps = self._steps(here, starting)
+        if not here:
+            self._start_loop(steps, thread_name)
+            return
+        try:
+            pages = self._port.list_pages(self._range, first_page=FIRST_PAGE, timeout=0)
+            self._relist(_after_first(pages, lambda: self._start_loop(steps, thread_name)))
+        except Exception as exc:
+            # The loop's thread reports it (health, metrics, log) and backs off.
+            self._listing_error = self.last_exception = exc
+        self._listing.set()
+        self._start_loop(steps, thread_name)  # if no page came
+
+    def _start_loop(self, steps: Iterator[None], thread_name: str) -> None:
+        """Run ``steps`` on the runner's threads or a thread of the loop's own; once."""
+        if self._loop_started:
+            return
+        self._loop_started = True
+        if self._runner is None:
             self._thread = threading.Thread(
                 target=deque, args=(steps, 0), name=thread_name, daemon=True
             )
             self._thread.start()
-        if pages is not None:
-            try:
-                self._relist(pages)
-            except Exception as exc:
-                self._listing_error = exc
-        if here:
-            # A failure: the loop's thread reports it (health, metrics, log) and backs off.
-            self.last_exception = self._listing_error or self.last_exception
-            self._listing.set()
+            return
+        try:
+            self._runner.drive(steps, thread_name)
+        except RuntimeError:  # a stop() on another thread closed it meanwhile
+            self._ended.set()
+            raise ClosedError(f"watch of {self.name} is stopped") from None
 
     def stop(self, timeout: float = 10.0) -> None:
         """End the loop and its stream, and wait for the loop to end. Idempotent."""
@@ -257,7 +260,7 @@ class Reflector:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def _steps(self, listed_by_start: bool) -> Iterator[None]:
+    def _steps(self, listed_by_start: bool, starting: Callable[[], None]) -> Iterator[None]:
         """The loop, one step at a time: a step ends after each delivery to the target.
 
         Whoever runs it (a thread of its own, or a dispatcher taking turns with the calls
@@ -265,6 +268,7 @@ class Reflector:
         meanwhile, so they never run on the thread that reads it.
         """
         try:
+            starting()
             attempt = 0
             first = self._watch_after_start if listed_by_start else None
             while not self._stop.is_set():
@@ -386,6 +390,16 @@ class Reflector:
             log.error("watch of %s failed; restarting", self.name, exc_info=exc)  # a bug of ours
         else:
             log.warning("watch of %s interrupted (%s); reconnecting", self.name, reason)
+
+
+def _after_first(
+    pages: Iterator[tuple[int, list[KeyValue]]], then: Callable[[], None]
+) -> Iterator[tuple[int, list[KeyValue]]]:
+    """``pages``, with ``then()`` run once the first is in (the next one is on its way)."""
+    for n, page in enumerate(pages):
+        if n == 0:
+            then()
+        yield page
 
 
 def _cause(exc: BaseException) -> str:

@@ -166,9 +166,9 @@ class EndpointWatcher:
         """
         deadline = time.monotonic() + self._conn.dial_timeout
         # With wait, the first listing runs on this thread: no hand-off to the watch
-        # thread and back, and the threads start while its first request travels.
+        # thread and back; the staleness monitor starts on the watch thread.
         self._reflector.start(
-            thread_name="discovery-watcher", list_here=wait, meanwhile=self.freshness.start
+            thread_name="discovery-watcher", list_here=wait, starting=self.freshness.start
         )
         if wait and not self._feed.listed.wait(max(0.0, deadline - time.monotonic())):
             cause = self._reflector.last_exception
@@ -288,7 +288,7 @@ class _Feed:
         """Decode and select each page as it arrives; hand the store the whole listing."""
         revision = 0
         entries: dict[str, Entry] = {}
-        decode, selector = self._keyspace.decode, self._selector
+        decode, selector, entry = self._keyspace.decode, self._selector, tuple.__new__
         # The loop of _decode, inlined: it runs once per engine (50,000 at start-up).
         for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
             for kv in kvs:
@@ -299,7 +299,8 @@ class _Feed:
                     self._skip(exc)
                     continue
                 if not selector or record.matches(selector):
-                    entries[record.engine_id] = Entry(key, record, kv.mod_revision)
+                    # Entry(key, record, revision), without its Python-level __new__.
+                    entries[record.engine_id] = entry(Entry, (key, record, kv.mod_revision))
         kinds = self._store.replace(entries, revision)
         self.listed.set()
         self._metrics.events_applied(self._prefix, (kind.value for kind in kinds), 0.0)
