@@ -27,12 +27,12 @@ parent then puts at a steady 200 puts/s (python3-etcd3, ``perf_counter_ns()`` ju
 each put; each put rewrites one engine's record with ``weight_version`` = its sequence
 number) for ``--seconds`` after 100 warm-up puts. The worker stamps each put at the
 callback (ours: a ``RoutingTable.subscribe`` listener; a peer: its watch callback or
-loop, after ``json.loads`` into its dict) and where a lookup sees it (ours: where the
-store hands the batch to its sinks, under its lock, with the new entries in place, so a
-``pick()`` from then on sees it; a peer: its dict, the same moment as its callback).
+loop, after ``json.loads`` into its dict) and where a lookup sees it (ours: the store's
+first sink, called once the batch's snapshot, what ``pick()`` reads, is published; a
+peer: its dict, the same moment as its callback).
 p50 and p99 per window; the medians of the windows; windows interleaved like the syncs.
-``--profile`` records our start-up with py-spy (10 fresh processes at the largest size,
-every thread, idle included): bench/out/startup_profile_N.txt.
+``--profile`` records our start-up with py-spy (``--gil``, 10 fresh processes at the largest
+size) and adds the top of it to the printout; bench/out/startup_profile_N.txt has more.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ LABEL = {
     "aetcd": "aetcd",
     "etcd3aio": "etcd3aio",
     "etcd_client": "etcd-client-py",
-    "baseline": "ours, --baseline copy",
+    "baseline": "ours, --baseline copy of the package",
 }
 EVENT_ENGINES = 100
 RATE = 200.0  # puts/s
@@ -186,11 +186,13 @@ def event_window(kind: str, url: str, prefix: str, writer: Writer, seconds: floa
 # -- profile --------------------------------------------------------------------------------
 
 
-def profile(url: str, prefix: str, records: int, runs: int = 10) -> Path:
+def profile(url: str, prefix: str, records: int, runs: int = 10) -> list[str]:
     """py-spy of our first call to a complete table in ``runs`` fresh processes.
 
-    Every thread, CPU only (no idle samples); attached after the import and
-    detached once the table is complete, so neither the import nor the teardown shows.
+    The thread holding the GIL (``--gil``: where Python's time goes, every thread);
+    attached after the import and detached once the table is complete, so neither the
+    import nor the teardown shows. Writes bench/out/startup_profile_N.txt; returns its
+    lines (functions by share of the samples, inclusive and own).
     """
     OUT.mkdir(exist_ok=True)
     inclusive: Counter[str] = Counter()
@@ -203,8 +205,7 @@ def profile(url: str, prefix: str, records: int, runs: int = 10) -> Path:
         pid = process.stdout.readline().split()[1]
         spy = subprocess.Popen(
             [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", pid, "--rate",
-             "2000", "--threads", "--format", "raw", "--output", str(raw),
-             "--nonblocking"],
+             "2000", "--gil", "--format", "raw", "--output", str(raw), "--nonblocking"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -219,6 +220,8 @@ def profile(url: str, prefix: str, records: int, runs: int = 10) -> Path:
         finish(process, "profile")
         for line in raw.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
+            if "Times._gate" in stack:
+                continue  # before "go" or after "complete"
             frames = [
                 f.split(" (", 1)[0] + " " + f.rsplit("/", 1)[-1].rstrip(")")
                 for f in stack.split(";")
@@ -229,14 +232,15 @@ def profile(url: str, prefix: str, records: int, runs: int = 10) -> Path:
             for frame in set(frames):
                 inclusive[frame] += samples
         raw.unlink()
-    lines = [f"py-spy, {runs} fresh processes, ours @ {records:,} records: {total} samples"]
-    lines += ["(first call to complete table; every thread, on CPU)", ""]
-    lines += ["inclusive  own  function (file:line)"]
+    lines = [
+        f"py-spy --gil, {runs} fresh processes, ours @ {records:,} records, first call to "
+        f"complete table: {total} samples",
+        "inclusive  own  function (file:line)",
+    ]
     for frame, samples in inclusive.most_common(60):
         lines.append(f"{100 * samples / total:8.1f}% {100 * own[frame] / total:4.1f}%  {frame}")
-    summary = OUT / f"startup_profile_{records}.txt"
-    summary.write_text("\n".join(lines) + "\n")
-    return summary
+    (OUT / f"startup_profile_{records}.txt").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -381,6 +385,7 @@ def main() -> None:
     rows: list = []
     event_rows: list = []
     loads: list[str] = []
+    profiled: list[str] = []
     prefix = f"/inference/v1/{NAMESPACE}/engines/"
     with etcd_cluster(1, extra_args=["--quota-backend-bytes", str(4 * 1024**3)]) as cluster:
         url = cluster.members[0].client_url
@@ -394,7 +399,7 @@ def main() -> None:
             targets += more_targets
             print(f"{n:,} records done; load average {load_average()}", flush=True)
             if args.profile and n == max(sizes) and "ours" in kinds:
-                print(f"profile written to {profile(url, prefix, n)}", flush=True)
+                profiled = profile(url, prefix, n)
         if args.windows:
             events_prefix = f"/inference/v1/{NAMESPACE}-events/engines/"
             results["events"], event_rows, more_targets = run_events(
@@ -410,6 +415,8 @@ def main() -> None:
             f"{int(args.seconds * RATE)} puts)\n"
         )
         text += table_text(EVENT_HEADER, event_rows)
+    if profiled:  # the top of it; bench/out/startup_profile_N.txt has more
+        text += "\n\n" + "\n".join(profiled[:32])
     text += "\n\nload average after each round: " + "; ".join(loads)
     text += "\n\n" + "\n".join(t.line() for t in targets)
     print(text)
