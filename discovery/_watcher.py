@@ -204,8 +204,9 @@ class EndpointWatcher:
     def subscribe(self, callback: Callable[[EndpointEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` for the current engines, then for every change.
 
-        Callbacks run in order on one background thread, outside any lock; a slow or
-        failing callback never stalls the watch. Returns an unsubscribe function.
+        Callbacks run in order, one at a time, on a background thread (never the one
+        reading the stream), outside any lock; a slow or failing callback never stalls the
+        watch. Returns an unsubscribe function.
         """
         return self.store.add_sink(_CallbackSink(callback, self.store.dispatcher))
 
