@@ -55,6 +55,7 @@ PAGE_ORDER = (
     "scale",
     "churn",
     "sync",
+    "startup",
     "codec",
     "fanout",
     "sessions",

@@ -40,15 +40,41 @@ def _take(page, table: dict) -> bytes | None:
     return page.kvs[-1].key + b"\0" if page.more else None
 
 
-def _raw_read(client, prefix: bytes) -> dict:
+def _raw_read(client, prefix: bytes, on_page: Callable = lambda: None) -> tuple[dict, int]:
     """Every value under ``prefix``, python3-etcd3 paged at one revision, JSON-decoded."""
     end = prefix_range_end(prefix)
     start, revision, table = prefix, None, {}
     while start is not None:
         page = client.get_range_response(start, end, limit=PAGE, revision=revision)
+        on_page()
         revision = revision or page.header.revision
         start = _take(page, table)
-    return table
+    return table, revision
+
+
+async def _read_pages(range_page, prefix: bytes, on_page: Callable) -> tuple[dict, int]:
+    """The same read through an asyncio client's ``range_page(start, end, revision)``."""
+    end = prefix_range_end(prefix)
+    start, revision, table = prefix, 0, {}
+    while start is not None:
+        page = await range_page(start, end, revision)
+        on_page()
+        revision = revision or page.header.revision
+        start = _take(page, table)
+    return table, revision
+
+
+async def _read_sub_prefixes(communicator, prefix: bytes, on_page: Callable) -> dict:
+    """etcd-client-py: the 1,000-key sub-prefixes of the benchmark's ids (see sync_etcd_client)."""
+    table = {}
+    for page in itertools.count():
+        kvs = await communicator.get_prefix(prefix + b"e%03d" % page)
+        on_page()
+        if not kvs:
+            return table
+        for key, value in kvs:
+            table[bytes(key)] = json.loads(bytes(value))
+    raise AssertionError("unreachable")
 
 
 # -- the contenders (each in its own worker process) ---------------------------------------
@@ -70,26 +96,36 @@ def sync_raw(url: str, prefix: bytes) -> tuple[int, float]:
 
     client = etcd3.client(*host_port(url))
     try:
-        table = _raw_read(client, prefix)
+        table, _ = _raw_read(client, prefix)
         return len(table), time.perf_counter()
     finally:
         client.close()
 
 
+def aetcd_pages(aetcd, client):
+    """aetcd's Range with limit and revision (its ``get_range``/``get_prefix`` take neither)."""
+
+    def range_page(start: bytes, end: bytes, revision: int):
+        request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=PAGE, revision=revision)
+        return client.kvstub.Range(request, metadata=client.metadata)
+
+    return range_page
+
+
+def etcd3aio_pages(client):
+    """etcd3aio's ``kv.get`` with range end, revision and limit."""
+
+    def range_page(start: bytes, end: bytes, revision: int):
+        return client.kv.get(start, range_end=end, revision=revision, limit=PAGE)
+
+    return range_page
+
+
 async def sync_aetcd(url: str, prefix: bytes) -> tuple[int, float]:
     import aetcd  # noqa: PLC0415
 
-    host, port = host_port(url)
-    async with aetcd.Client(host, port) as client:
-        end = prefix_range_end(prefix)
-        start, revision, table = prefix, 0, {}
-        while start is not None:
-            request = aetcd.rpc.RangeRequest(
-                key=start, range_end=end, limit=PAGE, revision=revision
-            )
-            page = await client.kvstub.Range(request, metadata=client.metadata)
-            revision = revision or page.header.revision
-            start = _take(page, table)
+    async with aetcd.Client(*host_port(url)) as client:
+        table, _ = await _read_pages(aetcd_pages(aetcd, client), prefix, lambda: None)
         return len(table), time.perf_counter()
 
 
@@ -97,12 +133,7 @@ async def sync_etcd3aio(url: str, prefix: bytes) -> tuple[int, float]:
     import etcd3aio  # noqa: PLC0415
 
     async with etcd3aio.Etcd3Client([url.split("://", 1)[1]]) as client:
-        end = prefix_range_end(prefix)
-        start, revision, table = prefix, 0, {}
-        while start is not None:
-            page = await client.kv.get(start, range_end=end, revision=revision, limit=PAGE)
-            revision = revision or page.header.revision
-            start = _take(page, table)
+        table, _ = await _read_pages(etcd3aio_pages(client), prefix, lambda: None)
         return len(table), time.perf_counter()
 
 
@@ -112,15 +143,9 @@ async def sync_etcd_client(url: str, prefix: bytes) -> tuple[int, float]:
     # Its API has neither limit nor revision, and one read of the whole prefix overflows
     # its 4 MiB message limit from 10,000 records on: read the 1,000-key sub-prefixes of
     # the benchmark's ids (e000..., e001...) until one is empty; not at one revision.
-    table = {}
     async with etcd_client.Client([url]).connect() as communicator:
-        for page in itertools.count():
-            kvs = await communicator.get_prefix(prefix + b"e%03d" % page)
-            if not kvs:
-                return len(table), time.perf_counter()
-            for key, value in kvs:
-                table[bytes(key)] = json.loads(bytes(value))
-    raise AssertionError("unreachable")
+        table = await _read_sub_prefixes(communicator, prefix, lambda: None)
+        return len(table), time.perf_counter()
 
 
 SYNCS: dict[str, Callable] = {
@@ -153,7 +178,7 @@ def retained_bytes(kind: str, url: str, prefix: bytes) -> dict:
         import etcd3  # noqa: PLC0415
 
         client = etcd3.client(*host_port(url))
-        decoded = _raw_read(client, prefix)
+        decoded, _ = _raw_read(client, prefix)
         keep, count = decoded, len(decoded)
     gc.collect()
     traced = tracemalloc.get_traced_memory()[0] - base

@@ -5,11 +5,11 @@ member; a writer process puts a valid record (no lease), alternately into our pr
 into a raw prefix. The watching process stamps ``perf_counter_ns()`` (system-wide
 monotonic, so it compares with the writer's) at each stage of our path:
 
-* *response in*: ``EndpointWatcher._apply`` called (the gRPC response read, converted to
-  the port's ``WatchResponse``): where python3-etcd3 would call a raw callback;
-* *decoded*: the record decoded and validated (end of ``_decode``);
+* *response in*: the watcher's feed (``_Feed.apply``) called (the gRPC response read,
+  converted to the port's ``WatchResponse``): where python3-etcd3 would call a raw callback;
+* *decoded*: the record decoded and validated (end of ``_Feed._decode``);
 * *store in* / *applied*: ``EngineStore.apply`` entered / the table's ``deliver`` called
-  from the store's commit (lock held, new entries in place);
+  from the store's commit (the new snapshot published: a pick() sees it);
 * *handed over*: ``deliver`` returned (the listener queued on the dispatcher);
 * *listener*: the table listener runs, on the dispatcher thread.
 
@@ -59,14 +59,14 @@ def main() -> None:
         stamps.setdefault(stage, time.perf_counter_ns())
 
     apply, decode, store_apply = (
-        _watcher.EndpointWatcher._apply,
-        _watcher.EndpointWatcher._decode,
+        _watcher._Feed.apply,
+        _watcher._Feed._decode,
         _store.EngineStore.apply,
     )
 
-    def timed_apply(self, events):
+    def timed_apply(self, response):
         stamp("response in")
-        apply(self, events)
+        apply(self, response)
 
     def timed_decode(self, key, value):
         record = decode(self, key, value)
@@ -83,8 +83,8 @@ def main() -> None:
             super().deliver(batch)
             stamp("handed over")
 
-    _watcher.EndpointWatcher._apply = timed_apply  # type: ignore[method-assign]
-    _watcher.EndpointWatcher._decode = timed_decode  # type: ignore[method-assign]
+    _watcher._Feed.apply = timed_apply  # type: ignore[method-assign]
+    _watcher._Feed._decode = timed_decode  # type: ignore[method-assign]
     _store.EngineStore.apply = timed_store_apply  # type: ignore[method-assign]
 
     def listener(_events, _snapshot) -> None:

@@ -1,10 +1,10 @@
 """Run every benchmark (issues 7 and 16), then plot, summarise and rewrite RESULTS.md.
 
-Run: ``.venv/bin/python bench/run_all.py`` (about 30 minutes on 2 cores, 9 of them the
-failure catalogue). Each benchmark runs as its own process (``bench/bench_<name>.py``),
-prints its table and records the run: its section replaces bench/results/<name>.md (the
-previous one moves to bench/history/<name>.md) and its targets
-bench/results/<name>.targets.json. This script then draws bench/latency.png (latency
+Run: ``.venv/bin/python bench/run_all.py`` (about 50 minutes on 2 cores, 9 of them the
+failure catalogue, 20 bench_startup.py's fresh processes). Each benchmark runs as its own
+process (``bench/bench_<name>.py``), prints its table and records the run: its section
+replaces bench/results/<name>.md (the previous one moves to bench/history/<name>.md) and
+its targets bench/results/<name>.targets.json. This script then draws bench/latency.png (latency
 distributions, ours vs raw; detection times; churn lag; new-watcher times; only if one of
 those ran), prints every target of the run, met or missed, and rewrites bench/RESULTS.md
 from the latest section of every benchmark. ``--quick`` is a smoke run with small counts
@@ -41,6 +41,10 @@ BENCHMARKS = {
     "churn": ([], ["--seconds", "5"]),
     "codec": ([], ["--records", "2000"]),
     "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1"]),
+    "startup": (
+        ["--profile"],
+        ["--sizes", "1000", "--rounds", "1", "--windows", "1", "--seconds", "1"],
+    ),
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
     "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
     "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),

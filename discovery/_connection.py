@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import queue
 import random
 import threading
@@ -235,6 +236,24 @@ class _Range(NamedTuple):
     revision: int  # 0: the current revision (the first page)
 
 
+class _Ahead(NamedTuple):
+    """A Range request sent before its answer is needed: the client and member it went to."""
+
+    future: Any
+    client: _Client
+    member: etcd3.Endpoint
+
+    def result(self) -> Any:
+        """The answer; a failure benches the member, as python3-etcd3's own calls do."""
+        try:
+            return self.future.result()
+        except grpc.RpcError as exc:
+            if exc.code() in _MEMBER_FAILURE_CODES:
+                self.member.fail()  # the next read goes to another member, if one is healthy
+                self.client._clear_old_stubs()
+            raise
+
+
 def _compacted_as_such(read: Callable[[], Any]) -> Any:
     """``read()``, with etcd's "revision compacted" raised as ``Compacted``."""
     try:
@@ -253,8 +272,17 @@ def _log_retry(state: RetryCallState) -> None:
         )
 
 
+_kv_fields = operator.attrgetter("key", "value", "mod_revision", "create_revision", "lease")
+_new_key_value = functools.partial(tuple.__new__, KeyValue)
+
+
 def _key_value(kv: Any) -> KeyValue:
-    return KeyValue(kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+    return _new_key_value(_kv_fields(kv))
+
+
+def _key_values(kvs: Iterable[Any]) -> list[KeyValue]:
+    """A page's keys, converted without a Python call per key (a listing has 50,000)."""
+    return list(map(_new_key_value, map(_kv_fields, kvs)))
 
 
 class _LeaseCompare(BaseCompare):  # type: ignore[misc]
@@ -397,12 +425,18 @@ class Connection(CloseHooks):
             if self._client is None:
                 self._client = self._build_client()
                 self._metrics.etcd_endpoints(len(self._endpoints))
-                if self.settings.member_sync and self._sync_thread is None:
-                    self._sync_thread = threading.Thread(
-                        target=self._sync_members, name="discovery-member-sync", daemon=True
-                    )
-                    self._sync_thread.start()
             return self._client
+
+    def _follow_membership(self) -> None:
+        """Start the member-sync thread (``settings.member_sync``), once."""
+        if self._sync_thread is not None or not self.settings.member_sync:
+            return
+        with self._lock:
+            if self._sync_thread is None and not self._closed:
+                self._sync_thread = threading.Thread(
+                    target=self._sync_members, name="discovery-member-sync", daemon=True
+                )
+                self._sync_thread.start()
 
     def _build_client(self) -> _Client:
         s = self.settings
@@ -597,8 +631,11 @@ class Connection(CloseHooks):
 
     # -- calls --------------------------------------------------------------------------
 
-    def _attempt(self, op: Callable[[_Client], T]) -> T:
-        """Run ``op`` once on the client; every failure leaves as a DiscoveryError."""
+    def _attempt(self, op: Callable[[_Client], T], *, sync: bool = True) -> T:
+        """Run ``op`` once on the client; every failure leaves as a DiscoveryError.
+
+        ``sync``: start following the membership after it, if not yet (member_sync).
+        """
         client = None
         try:
             client = self._current()  # building it authenticates: that may fail too
@@ -614,6 +651,9 @@ class Connection(CloseHooks):
                 # ran): the retry builds it again on the member in use.
                 client._clear_old_stubs()
             raise translate(exc, self._endpoints) from exc
+        finally:
+            if sync and client is not None:
+                self._follow_membership()
 
     def call(self, op: Callable[[], T], *, timeout: float | None = None) -> T:
         """Run ``op`` with retries of transient failures for up to ``timeout`` seconds.
@@ -669,33 +709,41 @@ class Connection(CloseHooks):
         return revision, found
 
     def list_pages(
-        self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
+        self,
+        prefix: str,
+        *,
+        page_size: int = PAGE_SIZE,
+        first_page: int | None = None,
+        timeout: float | None = None,
     ) -> Iterator[tuple[int, list[KeyValue]]]:
         """(revision, keys) per page of ``prefix``, every page read at the first's revision.
 
-        While the caller works on one page, the next is already on its way (an async
-        request), so decoding overlaps the network. Each page is retried for up to
-        ``timeout`` seconds; raises ``Compacted`` if the revision goes meanwhile.
+        ``first_page`` keys in the first page (default ``page_size``): a small one gives the
+        caller work sooner. While the caller works on one page, the next is already on its
+        way (an async request), so decoding overlaps the network. Each page is retried for
+        up to ``timeout`` seconds; raises ``Compacted`` if the revision goes meanwhile.
         """
-        request = _Range(prefix.encode(), prefix_range_end(prefix.encode()), page_size, 0)
+        key = prefix.encode()
+        request = _Range(key, prefix_range_end(key), first_page or page_size, 0)
         page = self._range_page(request, timeout, None)
-        request = request._replace(revision=page.header.revision)
+        request = request._replace(revision=page.header.revision, limit=page_size)
         while True:
             kvs = page.kvs
             ahead = None
             if page.more and kvs:
                 request = request._replace(start=kvs[-1].key + b"\0")
                 ahead = self._range_ahead(request)
-            yield request.revision, list(map(_key_value, kvs))
+            yield request.revision, _key_values(kvs)
             if not (page.more and kvs):
                 return
             page = self._range_page(request, timeout, ahead)
 
-    def _range_ahead(self, request: _Range) -> Any:
-        """An async Range request for the next page, or None if it cannot be sent now."""
+    def _range_ahead(self, request: _Range) -> _Ahead | None:
+        """An async Range request for a page, or None if it cannot be sent now."""
         try:
             client = self._current()
-            return client.kvstub.Range.future(
+            member = client.endpoint_in_use
+            future = client.kvstub.Range.future(
                 etcdrpc.RangeRequest(
                     key=request.start,
                     range_end=request.end,
@@ -708,23 +756,28 @@ class Connection(CloseHooks):
             )
         except Exception:  # the synchronous read of _range_page retries and reports
             return None
+        return _Ahead(future, client, member)
 
-    def _range_page(self, request: _Range, timeout: float | None, ahead: Any) -> Any:
-        """One page: the answer to ``ahead`` if it came, else a (retried) read now."""
-        if ahead is not None:
-            try:
-                return self._attempt(lambda _: _compacted_as_such(ahead.result))
-            except EtcdUnavailableError:
-                pass  # read again: python3-etcd3's own read benches a failing member
+    def _range_page(self, request: _Range, timeout: float | None, ahead: _Ahead | None) -> Any:
+        """One page: ``ahead``'s answer (its first attempt), then (retried) reads now.
+
+        A listing's pages do not start the member sync (a watcher's watch does, on its own
+        thread): no thread start holds up a new watcher's first listing.
+        """
         start, end, limit, revision = request
-        return self.call(
-            lambda: self._attempt(
+        sent = [ahead] if ahead is not None else []
+
+        def attempt() -> Any:
+            if sent:
+                return self._attempt(lambda _: _compacted_as_such(sent.pop().result), sync=False)
+            return self._attempt(
                 lambda c: _compacted_as_such(
                     lambda: c.get_range_response(start, end, limit=limit, revision=revision or None)
-                )
-            ),
-            timeout=timeout,
-        )
+                ),
+                sync=False,
+            )
+
+        return self.call(attempt, timeout=timeout)
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""

@@ -242,11 +242,17 @@ class EtcdPort(Protocol):
         ...
 
     def list_pages(
-        self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
+        self,
+        prefix: str,
+        *,
+        page_size: int = PAGE_SIZE,
+        first_page: int | None = None,
+        timeout: float | None = None,
     ) -> Iterator[tuple[int, list[KeyValue]]]:
         """(revision, keys) per page of ``prefix``, every page at the first's revision.
 
-        Raises ``Compacted`` when that revision is compacted before the last page.
+        The first page holds ``first_page`` keys (default ``page_size``). Raises
+        ``Compacted`` when that revision is compacted before the last page.
         """
         ...
 

@@ -87,6 +87,10 @@ class RoutingTable:
             for listener in self._listeners:
                 self.store.dispatcher.submit(listener, batch, snapshot)
 
+    def wants(self) -> bool:
+        """Whether ``deliver`` would use a batch now: with listeners, or when overridden."""
+        return bool(self._listeners) or type(self).deliver is not RoutingTable.deliver
+
     def close(self) -> None:
         """The store closed: nothing more to deliver."""
 

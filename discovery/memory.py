@@ -540,18 +540,26 @@ class MemoryPort(CloseHooks):
         return self.call(lambda: self._cluster()._range(prefix.encode()), timeout=timeout)
 
     def list_pages(
-        self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
+        self,
+        prefix: str,
+        *,
+        page_size: int = PAGE_SIZE,
+        first_page: int | None = None,
+        timeout: float | None = None,
     ) -> Iterator[tuple[int, list[KeyValue]]]:
         """(revision, keys) per page of ``prefix``, every page at the first's revision.
 
-        Raises ``Compacted`` when that revision is compacted before the last page.
+        The first page holds ``first_page`` keys (default ``page_size``). Raises
+        ``Compacted`` when that revision is compacted before the last page.
         """
         revision, found = self.call(
             lambda: self._cluster()._range(prefix.encode()), timeout=timeout
         )
-        for start in range(0, max(len(found), 1), page_size):
-            if start:  # a later page: etcd reads it at the listing's revision
-                self.call(lambda: self._cluster()._readable(revision), timeout=timeout)
+        first = first_page or page_size
+        yield revision, found[:first]
+        for start in range(first, len(found), page_size):
+            # A later page: etcd reads it at the listing's revision.
+            self.call(lambda: self._cluster()._readable(revision), timeout=timeout)
             yield revision, found[start : start + page_size]
 
     def get(self, key: str) -> KeyValue | None:

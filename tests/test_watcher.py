@@ -486,6 +486,29 @@ def test_table_listeners_get_each_batch_with_its_snapshot(store: Store) -> None:
             table.wait_until(lambda snap: "e9" in snap, timeout=0.2)
 
 
+def test_a_slow_listener_never_stalls_the_table(store: Store) -> None:
+    """A listener blocked on its first batch: the table still takes every later change,
+    and the listener then gets every batch, in order (issue 31: listeners run where a batch
+    was applied, once another thread reads the stream)."""
+    blocked, seen = threading.Event(), []
+
+    def listener(events, _snapshot) -> None:
+        seen.append([e.engine_id for e in events])
+        blocked.wait(30)
+
+    with watch_table(**store.using()) as table:
+        table.subscribe(listener)
+        for i in range(5):
+            store.port.replace(store.settings.keyspace.key(f"e{i}"), _value(i), 0)
+            if i == 0:
+                wait_for(lambda: seen, message="the listener blocked in the first batch")
+        table.wait_until(lambda snap: len(snap) == 5, timeout=10)
+        assert seen == [["e0"]]  # still blocked in the first batch
+        blocked.set()
+        wait_for(lambda: len(seen) == 5, message="every batch")
+        assert seen == [[f"e{i}"] for i in range(5)]
+
+
 def _etcd_revision(endpoints: list[str]) -> int:
     """etcd's current revision, read with etcdctl (not with the package under test)."""
     result = etcdctl(endpoints, "get", "/", "--keys-only", "-w", "json")
