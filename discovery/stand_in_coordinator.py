@@ -876,22 +876,24 @@ class StandInCoordinator:
 
     def _on_submit(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         submit = Submit.parse(fields)
-        self._count_paused()
+        self._count_paused_locked()
         if routed := self._route(identity, submit.request_id, submit.prompt):
             engine, rid = routed
             engine.submit(rid, submit.prompt, submit.sampling_params, submit.multi_modal_data)
 
     def _on_submit_with_kv(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         handoff = SubmitWithKv.parse(fields)
-        self._count_paused()
+        self._count_paused_locked()
         if routed := self._route(identity, handoff.request_id, handoff.prompt):
             routed[0].submit_with_kv(routed[1], handoff)
 
-    def _count_paused(self) -> None:
-        """A submit that reached the engine while it was not running (a refit's check)."""
+    def _count_paused_locked(self) -> None:
+        """A submit that reached the engine while it was not running (a refit's check).
+
+        Called by a handler, under the lock.
+        """
         if self._engine is not None and self._engine.state is not MegatronEngineState.RUNNING:
-            with self._lock:
-                self._paused_submits += 1
+            self._paused_submits += 1
 
     def _on_release(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         rid = _int(fields, "RELEASE_KV")
