@@ -57,6 +57,7 @@ class Freshness:
         self._stale_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._begun = False
 
     def age(self) -> float:
         """Seconds since the last proof."""
@@ -69,8 +70,8 @@ class Freshness:
 
     @property
     def running(self) -> bool:
-        """Whether the watcher is between start() and stop()."""
-        return self._thread is not None and not self._stop.is_set()
+        """Whether the watcher is between begin() and stop()."""
+        return self._begun and not self._stop.is_set()
 
     def proved(self) -> None:
         """A member with a leader answered: the view is current now."""
@@ -78,12 +79,18 @@ class Freshness:
         if self._stale_since is not None:  # lock-free on the hot path
             self._check()
 
+    def begin(self) -> None:
+        """Count from now: the watcher has started (its monitor may start later)."""
+        self.proven_at = time.monotonic()
+        self._begun = True
+
     def start(self) -> None:
-        """Count from now and start the monitor. Idempotent."""
+        """Start the monitor (and count from now, unless begun). Idempotent."""
         with self._lock:
             if self._thread is not None:
                 return
-            self.proven_at = time.monotonic()
+            if not self._begun:
+                self.begin()
             self._thread = threading.Thread(
                 target=self._monitor, name="discovery-watch-staleness", daemon=True
             )

@@ -170,7 +170,9 @@ class EndpointWatcher:
         """
         deadline = time.monotonic() + self._conn.dial_timeout
         # With wait, the first listing runs on this thread: no hand-off to the watch
-        # thread and back; the staleness monitor starts on the watch thread.
+        # thread and back; the staleness monitor starts on the watch thread (the view is
+        # running, for health and metrics, from now).
+        self.freshness.begin()
         self._reflector.start(
             thread_name="discovery-watcher", list_here=wait, starting=self.freshness.start
         )

@@ -8,7 +8,8 @@ prometheus_client's HTTP server on 127.0.0.1, follows the table (``watch_table``
 engines' state relays (``EngineStates``, fed this router's in-flight counts) and routes
 with a ``Router``: once both engines are in the table it fails requests of ``--fail``
 until that engine is fenced (for 600 s), holds one request on ``--hold`` (in flight), and
-makes one pick no engine can take. With ``--unconfirmed``, a second router on a table fed
+makes one pick no engine can take and one through a split whose canary group has no engine
+(its share goes to the others, counted). With ``--unconfirmed``, a second router on a table fed
 by hand (the same registry) loses that engine's ready record unannounced, alone in its
 table: a mass lease loss it keeps the engine through, unconfirmed, for 600 s. Then it
 prints ``routed`` and runs until SIGTERM.
@@ -31,6 +32,7 @@ from discovery import (
     PickHandle,
     Router,
     RoutingTable,
+    Split,
     StopSignals,
     watch_table,
 )
@@ -94,6 +96,9 @@ def main() -> int:
                     handle.release()
             with contextlib.suppress(NoEngineAvailableError):
                 router.pick([1], max_tokens=10**9)
+            router.pick(
+                [1], max_tokens=16, split=Split({"track=canary": 5, "model=demo": 95})
+            ).release()
             print("routed", flush=True)
             while not stop.wait(None):
                 pass
