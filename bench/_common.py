@@ -62,6 +62,7 @@ PAGE_ORDER = (
     "router",
     "routing_quality",
     "relay",
+    "overload",
     "failures",
     "chaos",
 )
