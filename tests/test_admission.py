@@ -2,8 +2,8 @@
 
 Unit tests on tables fed by hand (``Fleet``) and engine states fed by hand (``feed``):
 capacity, the queue's order and bounds, priorities, many routers sharing an engine, and
-the asyncio form. The end-to-end figures (stand-in engines, 4 routers, 2x the capacity)
-are bench/bench_overload.py's.
+the asyncio form; then the same rules on real etcd with stand-in engines. The end-to-end
+figures (stand-in engines, 4 routers, 2x the capacity) are bench/bench_overload.py's.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from discovery import (
     PickHandle,
     PrefixCachingCoordinatorPolicy,
     Router,
+    Settings,
 )
 from discovery._kvstate import pack_hashes
 from discovery._record import EngineRecord
 
 from .helpers import make_endpoint, wait_for
+from .test_fleet import fleet_of as fleet_of_engines
 from .test_router import Fleet
 
 LB = PrefixCachingCoordinatorPolicy.LOAD_BALANCED
@@ -292,3 +294,28 @@ def test_a_cancelled_apick_gives_its_place_up() -> None:
     asyncio.run(main())
     held.release()
     assert router.in_flight() == {"e0": 0}
+
+
+def test_on_real_etcd_picks_wait_in_priority_order_and_overload_is_raised_at_the_bound(
+    settings: Settings,
+) -> None:
+    """Stand-in engines registered in etcd, the router on a watched table: the same rules."""
+    with fleet_of_engines(settings, 2, capacity=1, wait=30, max_waiting=2) as (_, router):
+        held = [router.pick([1], 1), router.pick([1], 1)]
+        assert {h.engine_id for h in held} == {"e0", "e1"}
+        with pytest.raises(OverloadedError, match="no wait allowed"):
+            router.pick([1], 1, wait=0)
+        waiting = Waiting(router)
+        waiting.start("low")
+        waiting.start("high", priority=1)
+        with pytest.raises(OverloadedError, match="2 picks wait already"):
+            router.pick([1], 1)
+        held[0].release()
+        wait_for(lambda: waiting.names() == ["high"], message="the high priority served first")
+        held[1].release()
+        wait_for(lambda: waiting.names() == ["high", "low"], message="then the low one")
+        waiting.join()
+        for _, handle in waiting.served:
+            assert isinstance(handle, PickHandle) and handle.waited > 0
+            handle.release()
+        assert router.health().waiting == 0
