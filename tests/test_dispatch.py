@@ -70,7 +70,12 @@ class Loop:
 def test_a_loop_and_its_calls_take_turns_on_two_threads() -> None:
     dispatcher = Dispatcher("test-loop")
     loop = Loop(dispatcher, 300)
+    # The first call holds its thread until the loop has moved on: otherwise, on a loaded
+    # machine, that thread may finish each call and take the loop back before the other wakes.
+    loop.release.clear()
     dispatcher.drive(iter(loop), "test-loop")
+    wait_for(lambda: len(loop.step_threads) >= 2, message="a step while the first call runs")
+    loop.release.set()
     wait_for(lambda: len(loop.calls) == 300, message="every call")
     dispatcher.stop()
     assert [n for n, _ in loop.calls] == list(range(300)) and dispatcher.failures == 0
