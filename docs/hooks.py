@@ -113,26 +113,28 @@ def cli_reference() -> str:
     (subparsers,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {a.dest: a.help for a in subparsers._choices_actions}
     commands = subparsers.choices
-    seen: dict[str, list[str]] = {}
+    takers: dict[tuple[str, ...], list[str]] = {}
     for name, command in commands.items():
         for group in _groups(command):
-            seen.setdefault(group.title or "", []).append(name)
-    shared = {title for title, names in seen.items() if len(names) > 1 and title != "options"}
-    out = [f"`discovery` {parser.description}", ""]
+            takers.setdefault(_key(group), []).append(name)
+    # A command's own arguments stay with it, even where another has the same.
+    own = ("options", "positional arguments")
+    shared = {key for key, names in takers.items() if len(names) > 1 and key[0] not in own}
+    out = [f"`discovery`: {parser.description}", ""]
     for name, command in commands.items():
         out += [f"## discovery {name}", "", f"{helps.get(name) or ''}.", ""]
         if command.description:
             out += [command.description, ""]
         out += ["```text", command.format_usage().strip(), "```", ""]
         for group in _groups(command):
-            title = group.title or ""
-            if title in shared:
-                out += [f"And the [{title}](#{_anchor(title)}) flags.", ""]
+            if _key(group) in shared:
+                out += [f"And the [{group.title}](#{_anchor(group.title or '')}) flags.", ""]
             else:
-                out += _flag_table(group, title)
-    for title in sorted(shared):
-        group = next(g for c in commands.values() for g in _groups(c) if g.title == title)
-        out += [f"## {title}", "", *_flag_table(group, None)]
+                out += _flag_table(command, group, bold_title=True)
+    for key in sorted(shared):
+        name = takers[key][0]
+        group = next(g for g in _groups(commands[name]) if _key(g) == key)
+        out += [f"## {group.title}", "", *_flag_table(commands[name], group, bold_title=False)]
     return "\n".join(out)
 
 
@@ -145,17 +147,25 @@ def _groups(parser: argparse.ArgumentParser) -> list[argparse._ArgumentGroup]:
     ]
 
 
-def _flag_table(group: argparse._ArgumentGroup, title: str | None) -> list[str]:
-    rows = [f"**{title}**", ""] if title and title != "options" else []
+def _key(group: argparse._ArgumentGroup) -> tuple[str, ...]:
+    """What makes two commands' groups the same: their title and their arguments."""
+    return (group.title or "", *(a.dest for a in group._group_actions))
+
+
+def _flag_table(
+    parser: argparse.ArgumentParser, group: argparse._ArgumentGroup, *, bold_title: bool
+) -> list[str]:
+    formatter = parser._get_formatter()
+    rows = [f"**{group.title}**", ""] if bold_title and group.title != "options" else []
     rows += ["| argument | meaning |", "|---|---|"]
     for action in group._group_actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        names = ", ".join(action.option_strings) or action.metavar or action.dest
-        if action.choices and not isinstance(action.choices, dict):
-            names += " {" + ",".join(map(str, action.choices)) + "}"
-        meaning = (action.help or "").replace("%(default)s", str(action.default))
-        rows.append(f"| `{names}` | {meaning.replace('|', '&#124;')} |")
+        invocation = formatter._format_action_invocation(action)
+        meaning = formatter._expand_help(action) if action.help else ""
+        if not meaning and action.default not in (None, False, [], argparse.SUPPRESS):
+            meaning = f"default: {action.default}"
+        rows.append(f"| `{invocation}` | {meaning.replace('|', '&#124;')} |")
     return [*rows, ""]
 
 
