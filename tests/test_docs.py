@@ -246,6 +246,13 @@ def test_every_page_is_reached_from_the_navigation() -> None:
     assert sorted(set(nav) - pages) == [], "nav names pages that do not exist"
 
 
+def test_readme_links_resolve() -> None:
+    """README is not on the site (mkdocs checks the site's links): its own must resolve."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert targets, "README links nowhere"
+    assert [t for t in targets if "://" not in t and not (ROOT / t).exists()] == []
+
+
 def test_the_api_reference_covers_every_public_name() -> None:
     api = (DOCS / "reference" / "api.md").read_text()
     documented = re.findall(r"^::: discovery\.(\w+)$", api, re.M)
