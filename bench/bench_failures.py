@@ -6,10 +6,10 @@ frozen for 15 and 30 s with TTL 10) ``--runs`` times, each on fresh etcd (a shar
 in a namespace of the run's own, or a private member, three members, or three members in
 network namespaces, as the scenario needs), and records the worst figure of each against
 the scenario's targets: bench/results/failures.md (and RESULTS.md), the figures in
-bench/results/failures.json, and README's table between ``<!-- failures:begin -->`` and
-``<!-- failures:end -->``. ``--only a,b`` runs some scenarios and keeps the others'
-recorded figures. Scenarios in network namespaces need root and iproute2; without them
-they are reported as not run.
+bench/results/failures.json, and the tables between ``<!-- failures:begin -->`` and
+``<!-- failures:end -->`` (docs/failures.md's, README's headline table). ``--only a,b``
+runs some scenarios and keeps the others' recorded figures. Scenarios in network
+namespaces need root and iproute2; without them they are reported as not run.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from discovery.embedded_netns import PartitionableCluster, unavailable_reason
 from tests import catalogue
 from tests.catalogue import COMMON, SCENARIOS, Env, Figures, Scenario
 
-README = ROOT / "README.md"
 RECORD = ROOT / catalogue.RECORD
 COUNTS = ("lost", "duplicate", "stale")
 
@@ -257,7 +256,9 @@ def main() -> None:
     }
     SECTIONS.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps(recorded, indent=1, default=float) + "\n", encoding="utf-8")
-    README.write_text(catalogue.write_readme_table(README.read_text(), recorded))
+    for name, render in catalogue.TABLES.items():
+        path = ROOT / name
+        path.write_text(catalogue.write_table(path.read_text(), render(recorded)))
     record_results(
         "failures",
         text,
@@ -267,8 +268,8 @@ def main() -> None:
         "engines with a request port under `discovery launch` (or `discovery register` "
         "engines), a router's table and a client that picks every 10 ms and releases "
         "`failed=True` when the engine does not answer within 1 s; the failure at a known "
-        "time. Worst figure of the runs against each target; README's table is written "
-        "from the same figures.",
+        "time. Worst figure of the runs against each target; docs/failures.md's table and "
+        "README's headline table are written from the same figures.",
     )
 
 

@@ -98,8 +98,8 @@ class TimedTable(RoutingTable):
 
 def _patch_etcd3_six() -> None:
     """python3-etcd3's watch thread dies on ``NameError: six`` when its stream ends (a
-    known defect, see README); give it the one function it needs so the raw baseline
-    shuts down quietly."""
+    known defect, see docs/operations/etcd.md); give it the one function it needs so the raw
+    baseline shuts down quietly."""
     import etcd3.watch  # noqa: PLC0415
 
     if not hasattr(etcd3.watch, "six"):

@@ -11,7 +11,8 @@ from the latest section of every benchmark. ``--quick`` is a smoke run with smal
 that records nothing (its plot goes to bench/out/); ``--only latency,codec`` runs some;
 ``--plot-only`` redraws from bench/out/*.json; ``--page-only`` only rewrites RESULTS.md
 (after editing bench/notes/). bench_router.py and bench_routing_quality.py run alone (no
-etcd; minutes of CPU each). bench_failures.py also rewrites README's table of failures.
+etcd; minutes of CPU each). bench_failures.py also rewrites the failure tables
+(docs/failures.md, README).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """discovery: find running Megatron-Core inference engines through etcd.
 
 Engines register an ``InferenceEngineEndpoint`` under a lease; routers watch the prefix
-into a live ``RoutingTable``. See README.md for the key layout and the guarantees.
+into a live ``RoutingTable``. See the documentation (docs/, ``./dev docs``) for the
+key layout and the guarantees.
 """
 
 from ._blockhash import block_hashes

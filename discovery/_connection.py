@@ -1066,7 +1066,7 @@ class _WatchStream(_Stream):
         key = prefix.encode()
         # progress_notify: etcd's periodic progress responses (member flag
         # --experimental-watch-progress-notify-interval) also cross an etcd gRPC proxy,
-        # which drops the watchdog's progress requests (deploy/README.md).
+        # which drops the watchdog's progress requests (docs/operations/many-routers.md).
         create = etcdrpc.WatchCreateRequest(
             key=key,
             range_end=prefix_range_end(key),

@@ -252,7 +252,7 @@ class EngineEventReceiver:
 
     For launchers other than ``discovery launch`` (Slurm wrappers, Ray actors): start it
     (or enter it), pass ``address`` to the engine as ``--dynamo-parent-event-address``,
-    and close it when the engine exits; README.md has a complete example.
+    and close it when the engine exits; docs/launch.md has a complete example.
 
     The keyword arguments are those of ``register_engine``, plus: ``host`` to bind on a
     random port (a routable address when rank zero runs on another node), or ``address``

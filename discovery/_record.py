@@ -7,7 +7,7 @@ JSON form, its check, its one-line doc, its CLI column, whether an outside write
 it). Everything else is derived from that declaration: validation (``__post_init__``),
 the codec's encode and both decode paths (``_codec.py``), the registrar's adoption of
 outside changes, the CLI's columns (``discovery list`` / ``watch``), and the field table
-in README (``field_table()``; ``./dev docs`` writes it, a test checks it). Adding a field
+of the documentation (``field_table()``, generated at every build of the site). Adding a field
 is one line here and its tests.
 
 Keys this package does not know (a newer writer's, Megatron's next capability) are kept:
@@ -258,7 +258,7 @@ class Stored:
 
     form: Form
     doc: str
-    """What the field means: one line of README's field table."""
+    """What the field means: one line of the documentation's field table."""
     json: str
     """Its JSON type, in the field table's words."""
     always: bool = False
@@ -502,7 +502,7 @@ COLUMNS = tuple(stored.column for _, stored in STORED if stored.column is not No
 
 
 def field_table() -> str:
-    """README's table of the stored metadata, rendered from the declaration."""
+    """The table of the stored metadata, rendered from the declaration (the site's page)."""
     rows = ["| key | JSON | meaning |", "|---|---|---|"]
     rows.append("| `engine_id` | string | the engine id; when absent, the one the key names |")
     rows.extend(f"| `{name}` | {s.json} | {s.doc} |" for name, s in STORED)
@@ -601,14 +601,3 @@ class RecordView:
     def role(self) -> EngineRole | str:
         """The engine's role: aggregated, prefill or decode (or one this version does not know)."""
         return self.record.role
-
-
-def write_field_table(path: str) -> None:
-    """Put ``field_table()`` between README's field-table markers (``./dev docs``)."""
-    begin, end = "<!-- fields:begin -->\n", "<!-- fields:end -->"
-    with open(path) as handle:
-        text = handle.read()
-    head, _, rest = text.partition(begin)
-    _, _, tail = rest.partition(end)
-    with open(path, "w") as handle:
-        handle.write(f"{head}{begin}{field_table()}\n{end}{tail}")

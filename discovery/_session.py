@@ -18,7 +18,7 @@ Session states::
       └──── the lease survived, or a new one was granted ◀──┘
     any state ──close()──▶ closed (lease revoked: every member's key is gone)
 
-What a shared lease changes (see README): a member's ``close()`` deletes its own key
+What a shared lease changes (see docs/registration.md): a member's ``close()`` deletes its own key
 only (compare on the lease), ``deregister`` of one member deletes that key only (the
 session writes it again, as a private registrar would), and duplicate-id protection is
 per key as before, also between two registrations of one session.

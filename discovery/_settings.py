@@ -26,24 +26,49 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "DISCOVERY_"
 DEFAULT_ENDPOINT = "http://127.0.0.1:2379"
 
-# Settings field -> environment variable (after ENV_PREFIX).
-_ENV_NAMES = {
-    "endpoints": "ETCD_ENDPOINTS",
-    "root": "ROOT",
-    "namespace": "NAMESPACE",
-    "dial_timeout": "DIAL_TIMEOUT",
-    "request_timeout": "REQUEST_TIMEOUT",
-    "election_timeout": "ELECTION_TIMEOUT",
-    "ca_cert": "ETCD_CA_CERT",
-    "cert": "ETCD_CERT",
-    "key": "ETCD_KEY",
-    "username": "ETCD_USERNAME",
-    "password": "ETCD_PASSWORD",
-    "password_file": "ETCD_PASSWORD_FILE",
-    "allow_insecure_auth": "ALLOW_INSECURE_AUTH",
-    "member_sync": "MEMBER_SYNC",
-    "member_sync_interval": "MEMBER_SYNC_INTERVAL",
+# Settings field -> (environment variable after ENV_PREFIX, what it means): declared once,
+# read by from_env and rendered by settings_table() (the documentation's settings page).
+_VARIABLES = {
+    "endpoints": ("ETCD_ENDPOINTS", "comma-separated `http(s)://host:port` (or `host:port`)"),
+    "root": ("ROOT", "key root"),
+    "namespace": ("NAMESPACE", "namespace"),
+    "dial_timeout": (
+        "DIAL_TIMEOUT",
+        "seconds a one-shot call keeps retrying an unreachable cluster",
+    ),
+    "request_timeout": ("REQUEST_TIMEOUT", "seconds per RPC"),
+    "election_timeout": (
+        "ELECTION_TIMEOUT",
+        "the etcd cluster's election timeout in seconds (its `--election-timeout` / 1000): "
+        "sets when a watcher counts as stale",
+    ),
+    "ca_cert": ("ETCD_CA_CERT", "CA bundle for `https://` endpoints (system roots if unset)"),
+    "cert": ("ETCD_CERT", "client certificate (with `DISCOVERY_ETCD_KEY`)"),
+    "key": ("ETCD_KEY", "the client certificate's key (with `DISCOVERY_ETCD_CERT`)"),
+    "username": ("ETCD_USERNAME", "etcd user (with a password or a password file)"),
+    "password": ("ETCD_PASSWORD", "the user's password; wins over the password file"),
+    "password_file": (
+        "ETCD_PASSWORD_FILE",
+        "file holding the password (a mounted secret); read again at every authentication, "
+        "so rotation needs no restart",
+    ),
+    "allow_insecure_auth": (
+        "ALLOW_INSECURE_AUTH",
+        "`1` (or `true`, `yes`, `on`): send the username and password over `http://` "
+        "endpoints, unencrypted",
+    ),
+    "member_sync": (
+        "MEMBER_SYNC",
+        "`0` (or `false`, `no`, `off`): keep the configured endpoints instead of following "
+        "the cluster's membership; turn it off behind an etcd gRPC proxy or a load balancer",
+    ),
+    "member_sync_interval": (
+        "MEMBER_SYNC_INTERVAL",
+        "seconds between refreshes of the endpoints from etcd's member list (there is one "
+        "after every failover too); `0`: after failovers only",
+    ),
 }
+_ENV_NAMES = {name: suffix for name, (suffix, _) in _VARIABLES.items()}
 _SWITCHES = ("allow_insecure_auth", "member_sync")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -252,6 +277,28 @@ def _is_positive_seconds(value: object, *, finite: bool = True) -> TypeGuard[int
 def env_names() -> dict[str, str]:
     """Every environment variable Settings.from_env reads, by settings field."""
     return {field: ENV_PREFIX + suffix for field, suffix in _ENV_NAMES.items()}
+
+
+def settings_table() -> str:
+    """The table of every ``DISCOVERY_*`` variable: its meaning and default, as declared."""
+    defaults = {f.name: f.default for f in fields(Settings)}
+    rows = ["| variable | meaning | default |", "|---|---|---|"]
+    for name, (suffix, meaning) in _VARIABLES.items():
+        rows.append(f"| `{ENV_PREFIX}{suffix}` | {meaning} | {_shown(defaults[name])} |")
+    return "\n".join(rows)
+
+
+def _shown(default: object) -> str:
+    """A default as the table shows it: none blank, switches on/off, 5.0 as 5."""
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return ", ".join(f"`{d}`" for d in default)
+    if isinstance(default, float) and default.is_integer():
+        default = int(default)
+    return f"`{default}`"
 
 
 def parse_endpoint(text: str) -> str:

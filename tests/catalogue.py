@@ -2,7 +2,8 @@
 
 Used by ``tests/test_failure_catalogue.py`` (the short form: one run per scenario, in
 ``./dev test``) and ``bench/bench_failures.py`` (the long form: every scenario, several
-runs, its figures in bench/RESULTS.md and README's table). One run of one scenario::
+runs, its figures in bench/RESULTS.md and the tables of docs/failures.md and README). One
+run of one scenario::
 
     engines: stand-in engines (discovery/stand_in_engine.py, with a request port) under
       `discovery launch`, or `discovery register` processes (the engine is the registrar's
@@ -1546,11 +1547,13 @@ def play(scenario: Scenario, env: Env) -> Figures:
         return scenario.play(run)
 
 
-# -- the README table (bench/bench_failures.py writes it; a test checks it is up to date) ---
+# -- the tables (bench/bench_failures.py writes them; a test checks they are up to date) ----
 
 
-README_BEGIN, README_END = "<!-- failures:begin -->\n", "<!-- failures:end -->"
+TABLE_BEGIN, TABLE_END = "<!-- failures:begin -->\n", "<!-- failures:end -->"
 RECORD = "bench/results/failures.json"  # the long form's figures, from the repository root
+# Where each table goes (from the repository root): the catalogue's page, README's headline.
+FULL_TABLE, HEADLINE_TABLE = "docs/failures.md", "README.md"
 
 
 def unit(name: str) -> str:
@@ -1586,8 +1589,49 @@ def _cell(record: Mapping[str, Any], name: str) -> str:
     return shown
 
 
-def readme_table(recorded: Mapping[str, Any]) -> str:
-    """README's table of the scenarios: their description here, the long form's figures."""
+def _evict(record: Mapping[str, Any]) -> str:
+    """The scenario's time to evict, in words: what it measures depends on the scenario."""
+    scenario, limits = SCENARIOS[record["name"]], record["limits"]
+    if scenario.alive:
+        return f"serving: unpicked for {_cell(record, 'absent')}"
+    if "evict" in limits:
+        return _cell(record, "evict")
+    if "evict_after_recovery" in limits:
+        return f"{_cell(record, 'evict_after_recovery')} after the reconnect"
+    return "-"
+
+
+def _ends(record: Mapping[str, Any]) -> str:
+    """Lost / duplicate / stale table entries at the end, worst run."""
+    return " / ".join(f"{record['worst'].get(k) or 0:g}" for k in ("lost", "duplicate", "stale"))
+
+
+def _footer(recorded: Mapping[str, Any]) -> str:
+    return (
+        f"Worst of {recorded['runs']} runs of each scenario, {recorded['date']}. "
+        f"{recorded['machine']} Load average after the run: {recorded['load']}."
+    )
+
+
+def headline_table(recorded: Mapping[str, Any]) -> str:
+    """README's table: each scenario's failure and its headline figures."""
+    lines = [
+        "| failure | time to evict | picks of the dead or hung engine: unanswered / after "
+        "eviction | lost / duplicate / stale |",
+        "|---|---|---|---|",
+    ]
+    for record in recorded["scenarios"]:
+        scenario = SCENARIOS[record["name"]]
+        picks = f"{_cell(record, 'failed_picks')} / {_cell(record, 'after_evict')}"
+        lines.append(
+            f"| **{scenario.name}**: {scenario.failure} | {_evict(record)} | {picks} "
+            f"| {_ends(record)} |"
+        )
+    return "\n".join([*lines, "", _footer(recorded)])
+
+
+def failure_table(recorded: Mapping[str, Any]) -> str:
+    """The catalogue page's table: each scenario's description here, the long form's figures."""
     lines = [
         "| failure | replays | time to evict | picks of the dead or hung engine: unanswered "
         "/ after eviction | lost / duplicate / stale at the end | back after the fault "
@@ -1596,16 +1640,7 @@ def readme_table(recorded: Mapping[str, Any]) -> str:
     ]
     for record in recorded["scenarios"]:
         scenario, worst, limits = SCENARIOS[record["name"]], record["worst"], record["limits"]
-        if scenario.alive:
-            evict = f"serving: unpicked for {_cell(record, 'absent')}"
-        elif "evict" in limits:
-            evict = _cell(record, "evict")
-        elif "evict_after_recovery" in limits:
-            evict = f"{_cell(record, 'evict_after_recovery')} after the reconnect"
-        else:
-            evict = "-"
         picks = f"{_cell(record, 'failed_picks')} / {_cell(record, 'after_evict')}"
-        ends = " / ".join(f"{worst.get(k) or 0:g}" for k in ("lost", "duplicate", "stale"))
         back = []
         if scenario.returns:
             back.append(f"{_cell(record, 'back')}, added again {worst.get('readds') or 0:g}x")
@@ -1618,20 +1653,19 @@ def readme_table(recorded: Mapping[str, Any]) -> str:
         if record["errors"]:
             errors = f" (**{record['errors']} of {record['runs']} runs failed**)"
         lines.append(
-            f"| **{scenario.name}**: {scenario.failure}{errors} | {scenario.replays} | {evict} "
-            f"| {picks} | {ends} | {'; '.join(back) or '-'} | {worst.get('converge') or 0:.1f} s "
-            f"| {scenario.knob} |"
+            f"| **{scenario.name}**: {scenario.failure}{errors} | {scenario.replays} "
+            f"| {_evict(record)} | {picks} | {_ends(record)} | {'; '.join(back) or '-'} "
+            f"| {worst.get('converge') or 0:.1f} s | {scenario.knob} |"
         )
-    lines += [
-        "",
-        f"Worst of {recorded['runs']} runs of each scenario, {recorded['date']}. "
-        f"{recorded['machine']} Load average after the run: {recorded['load']}.",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", _footer(recorded)])
 
 
-def write_readme_table(readme: str, recorded: Mapping[str, Any]) -> str:
-    """``readme`` with the table between its failure-table markers replaced."""
-    head, _, rest = readme.partition(README_BEGIN)
-    _, _, tail = rest.partition(README_END)
-    return f"{head}{README_BEGIN}{readme_table(recorded)}\n{README_END}{tail}"
+def write_table(text: str, table: str) -> str:
+    """``text`` with ``table`` between its failure-table markers."""
+    head, _, rest = text.partition(TABLE_BEGIN)
+    _, _, tail = rest.partition(TABLE_END)
+    return f"{head}{TABLE_BEGIN}{table}\n{TABLE_END}{tail}"
+
+
+TABLES = {FULL_TABLE: failure_table, HEADLINE_TABLE: headline_table}
+"""Each file holding a table, and the function that renders it from the record."""

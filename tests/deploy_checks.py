@@ -17,7 +17,7 @@ def denied(result: subprocess.CompletedProcess[str]) -> bool:
 
 
 def roles_let_through(run: Etcdctl, ns: str, other_ns: str, lease: str) -> list[str]:
-    """What deploy/README.md says the roles of etcd-roles.sh forbid, yet etcd allowed.
+    """What the security model (docs/operations/tls-and-roles.md) forbids, yet etcd allowed.
 
     ``ns``'s engine and router users try: another namespace's records, keys outside their
     prefix, writes, deletes and lease revokes as the router, and changes to roles, users

@@ -405,7 +405,7 @@ def stop(process: subprocess.Popen[str]) -> None:
 def test_secured_cluster_end_to_end_as_compose_runs_it(tls_etcd, tmp_path):
     """The compose topology without Docker: TLS + client certificates + the roles.
 
-    Also the claim of deploy/README.md about passwords: changing the engine user's
+    Also the claim of docs/operations/tls-and-roles.md about passwords: changing the engine user's
     password does not drop the running engine's registration (keepalives need no token),
     and the engine reads its password file again when it next authenticates, so its
     revoke at shutdown works with the rotated password.
@@ -513,7 +513,7 @@ def served_serial(cluster: EtcdCluster, certs: Path) -> int:
 
 @pytest.mark.external  # etcd with TLS, etcdctl, openssl
 def test_certificate_rotation_steps_keep_etcd_reachable(tmp_path):
-    """The procedure of deploy/README.md, step by step, on a live member.
+    """The procedure of docs/operations/tls-and-roles.md, step by step, on a live member.
 
     ``work`` is where make-certs.sh writes; ``live`` is what the member and the clients
     read (a Secret volume in Kubernetes, a bind mount in compose), replaced file by file.

@@ -1,23 +1,32 @@
-"""README and docs examples run as written, and the public surface is exactly as intended."""
+"""README and the documentation site: examples run as written, the site builds with no broken
+link or missing reference, and the public surface is exactly as intended and documented."""
 
 from __future__ import annotations
 
+import html
 import inspect
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import discovery
 from discovery import Settings, register_engine
-from discovery._record import STORED, field_table
+from discovery._record import STORED
+from discovery._settings import env_names
+from discovery.cli import build_parser
 
 from .helpers import cli_env, make_endpoint, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+# Pages whose examples another test runs, checking what they print.
+EXAMPLES_RUN_ELSEWHERE = {"routing.md": "tests/test_router.py"}
 
 INTENDED = {
     # records (Megatron-compatible) and the stored form
@@ -211,9 +220,108 @@ def test_readme_watch_example_on_an_empty_namespace_prints_a_real_revision(
     assert count == "0" and int(revision) > 0, out
 
 
-def test_readme_field_table_is_the_declared_one() -> None:
-    """README's stored-field table is rendered from EngineRecord's declaration."""
-    table = README.split("<!-- fields:begin -->\n")[1].split("<!-- fields:end -->")[0]
-    assert table == field_table() + "\n", "README's field table is out of date: ./dev docs"
-    for name, _ in STORED:
-        assert f"| `{name}` |" in table
+def _nav_pages(nav: list) -> list[str]:
+    pages = []
+    for item in nav:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+class _Loader(yaml.SafeLoader):
+    """mkdocs.yml's YAML: its !!python/name tags are names, not values, here."""
+
+
+_Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: suffix)
+
+
+def _config() -> dict:
+    return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_Loader)
+
+
+def test_every_page_is_reached_from_the_navigation() -> None:
+    nav = _nav_pages(_config()["nav"])
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert sorted(pages - set(nav)) == [], "pages not in mkdocs.yml's nav"
+    assert sorted(set(nav) - pages) == [], "nav names pages that do not exist"
+
+
+def test_readme_links_resolve() -> None:
+    """README is not on the site (mkdocs checks the site's links): its own must resolve."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert targets, "README links nowhere"
+    assert [t for t in targets if "://" not in t and not (ROOT / t).exists()] == []
+
+
+def test_the_api_reference_covers_every_public_name() -> None:
+    api = (DOCS / "reference" / "api.md").read_text()
+    documented = re.findall(r"^::: discovery\.(\w+)$", api, re.M)
+    assert sorted(set(discovery.__all__) - set(documented)) == [], "docs/reference/api.md"
+    # and the test support's public module, discovery.memory
+    assert sorted(set(documented) - set(discovery.__all__)) == ["memory"]
+
+
+@pytest.mark.external  # mkdocs in a process of its own
+def test_the_site_builds_strictly_with_every_generated_reference(tmp_path: Path) -> None:
+    """`mkdocs build --strict`: a broken link, anchor or reference fails; the generated
+    reference pages hold every command, setting and stored field."""
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+
+    def page(name: str) -> str:
+        return html.unescape((site / name / "index.html").read_text())
+
+    api = page("reference/api")
+    assert [n for n in discovery.__all__ if f'id="discovery.{n}"' not in api] == []
+    cli = page("reference/cli")
+    (commands,) = (a for a in build_parser()._actions if a.dest == "command")
+    assert [c for c in commands.choices if f"discovery {c}" not in cli] == []
+    settings = page("reference/settings")
+    assert [v for v in env_names().values() if v not in settings] == []
+    fields = page("reference/fields")
+    assert [name for name, _ in STORED if f"<code>{name}</code>" not in fields] == []
+    assert (site / "performance" / "latency.png").exists()
+
+
+def _python_blocks_of(page: Path) -> list[str]:
+    return _python_blocks(page.read_text())
+
+
+GUIDES = sorted(
+    str(p.relative_to(DOCS))
+    for p in DOCS.rglob("*.md")
+    if _python_blocks_of(p) and str(p.relative_to(DOCS)) not in EXAMPLES_RUN_ELSEWHERE
+)
+# Runs a page's examples in order, in one namespace: a page's first example may set up
+# what the later ones use.
+RUN_PAGE = """
+import re, sys
+from pathlib import Path
+namespace = {"__name__": "__main__"}
+blocks = re.findall(r"```python\\n(.*?)```", Path(sys.argv[1]).read_text(), re.S)
+for number, block in enumerate(blocks, 1):
+    exec(compile(block, f"{sys.argv[1]}, example {number}", "exec"), namespace)
+"""
+
+
+@pytest.mark.parametrize("page", GUIDES)
+def test_guide_examples_run(page: str, settings: Settings) -> None:
+    """Every example of a guide runs as written, against etcd, in a fresh interpreter."""
+    process = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", RUN_PAGE, str(DOCS / page)],
+        env=cli_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert process.returncode == 0, process.stderr[-6000:]

@@ -8,7 +8,7 @@ and none after eviction, no engine evicted that the fault did not touch, and no 
 duplicate or stale table entry at the end. Timings get ``SLACK`` seconds more here, for a
 loaded CI machine (the counts none): ``bench/bench_failures.py`` runs every scenario
 several times (the 15 s and 30 s etcd outages too) and holds the timings to the targets
-themselves, in bench/RESULTS.md and README's table.
+themselves, in bench/RESULTS.md, docs/failures.md's table and README's headline table.
 """
 
 from __future__ import annotations
@@ -70,13 +70,16 @@ def test_every_scenario_has_a_report_a_failure_and_limits() -> None:
         assert scenario.etcd in {"shared", "single", "three", "netns"}, scenario.name
 
 
-def test_readme_failure_table_is_the_recorded_one() -> None:
-    """README's table is written from bench_failures.py's recorded figures, by the harness."""
+def test_failure_tables_are_the_recorded_ones() -> None:
+    """docs/failures.md's table and README's headline table are written from
+    bench_failures.py's recorded figures, by the harness."""
     root = Path(__file__).resolve().parent.parent
     recorded = json.loads((root / catalogue.RECORD).read_text())
-    readme = (root / "README.md").read_text()
-    assert catalogue.write_readme_table(readme, recorded) == readme, (
-        "README's failure table is out of date: python bench/bench_failures.py (or rewrite it "
-        "from the record with tests.catalogue.write_readme_table)"
-    )
+    for name, render in catalogue.TABLES.items():
+        text = (root / name).read_text()
+        assert catalogue.TABLE_BEGIN in text, f"{name} has no failure table"
+        assert catalogue.write_table(text, render(recorded)) == text, (
+            f"{name}'s failure table is out of date: python bench/bench_failures.py (or "
+            "rewrite it from the record with tests.catalogue.write_table)"
+        )
     assert [r["name"] for r in recorded["scenarios"]] == list(SCENARIOS)

@@ -3,7 +3,7 @@
 The proxy coalesces identical watches of many routers into one watch on a member. These
 tests prove our watcher works through one (snapshot, events, the proxy restarted under it,
 an idle watch that stays connected) and pin down what the proxy changes for the liveness
-checks (deploy/README.md, "Many routers: the gRPC proxy"):
+checks (docs/operations/many-routers.md):
 
 * it does not answer a watch progress request (etcd 3.5: "not supported request type");
 * it forwards the member's periodic progress notifications to watches created with
