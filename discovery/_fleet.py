@@ -13,7 +13,8 @@ engine's reply, as Megatron's does; ``add_request_streaming`` an async iterator 
 waiting when the fleet is full) and sent through the chosen engine's client. Its handle is
 released when the reply comes (a reply, whatever its status, is an engine that answered),
 and released as failed when the engine is lost first (``PickHandle.wait_lost``: removed,
-stalled, stopping, fenced, unconfirmed and dead). A request whose engine is lost before
+stalled, stopping, fenced, unconfirmed and dead; or its client stopped because its record
+left or moved, which may come first). A request whose engine is lost before
 anything came back is aborted there and sent once more to another engine (excluding the
 lost one); a stream that already gave tokens fails with ``RequestLostError`` saying how
 many (``resend=False``: every loss fails). Cancelling the future, or closing the stream,
@@ -210,6 +211,7 @@ class FleetClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._disaggregated = False
+        self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -227,7 +229,8 @@ class FleetClient:
         return self
 
     async def stop(self) -> None:
-        """Stop every engine's client. Requests still waiting fail."""
+        """Stop every engine's client. Requests still waiting fail (RequestLostError)."""
+        self._closed = True
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -383,6 +386,8 @@ class FleetClient:
     ) -> _Route:
         if self._loop is None:
             raise RuntimeError("start the fleet client first (async with FleetClient(...))")
+        if self._closed:
+            raise RuntimeError("the fleet client is stopped")
         tokens = prompt_tokens if prompt_tokens is not None else prompt
         if isinstance(tokens, str):
             tokens = ()  # no token ids: no affinity, only load
@@ -424,7 +429,7 @@ class FleetClient:
                 return await self._send(route, pair)
             except _Lost as lost:
                 excluded.add(lost.handle.engine_id)
-                if not self._resend or resent:
+                if not self._resend or resent or self._closed:
                     raise RequestLostError(
                         lost.handle.engine_id, lost.reason, tokens=0, resent=resent
                     ) from None
@@ -483,14 +488,29 @@ class FleetClient:
         finally:
             for watch in watched:
                 watch.cancel()
-        if future in done:
+        if future in done and not future.cancelled():
             reply = future.result()
             handle.release()  # it answered, whatever the reply says of the request
             return reply
+        if future.cancelled():  # not by us (that is the except above): its client stopped
+            handle.release(failed=True)
+            raise _Lost(handle, self._stopped_reason(handle))
         _abort(client, engine_request, future)
         lost = next(w for w in watched if w.done())
         handle.release(failed=lost is watched[0])
         raise _Lost(handle if lost is watched[0] else keep[0], lost.result())
+
+    def _stopped_reason(self, handle: PickHandle) -> str:
+        """Why ``handle``'s engine's client stopped under a request it had not answered.
+
+        ``_sync`` stops the client of an engine whose record left or moved at once, and
+        Megatron's ``stop()`` cancels the futures and ends the streams it holds; the router
+        tells the handle later (a record gone while ready is held as unconfirmed first), or
+        never (a new address is the same engine): the request is lost there all the same.
+        """
+        if self._closed:
+            return "the fleet client was stopped"
+        return handle.lost or "its client was stopped: the engine left the table or moved"
 
     async def _stream(
         self, route: _Route, options: dict[str, Any], wait: float | None
@@ -509,7 +529,7 @@ class FleetClient:
                 return
             except _Lost as lost:
                 excluded.add(lost.handle.engine_id)
-                if tokens or not self._resend or resent:
+                if tokens or not self._resend or resent or self._closed:
                     raise RequestLostError(
                         lost.handle.engine_id, lost.reason, tokens=tokens, resent=resent
                     ) from None
@@ -566,9 +586,9 @@ class FleetClient:
                     raise _Lost(handle, lost.result())
                 try:
                     item = following.result()
-                except StopAsyncIteration:
-                    handle.release()
-                    return
+                except StopAsyncIteration:  # ended without its final item: client stopped
+                    handle.release(failed=True)
+                    raise _Lost(handle, self._stopped_reason(handle)) from None
                 yield item
                 if isinstance(item, dict) and "final" in item:
                     handle.release()

@@ -198,6 +198,53 @@ def test_a_request_whose_engine_dies_before_answering_is_sent_again(settings: Se
             engine.stop()
 
 
+def test_a_request_whose_engine_client_is_stopped_first_is_sent_again(settings: Settings) -> None:
+    """The engine's client can stop (its record moved) before, or without, the handle's loss.
+
+    The fleet client stops the client of an engine whose record left or moved at once, and
+    Megatron's ``stop()`` cancels the futures it holds; the router may tell the handle later
+    (a record removed while ready is first held as unconfirmed), or never (a moved address is
+    the same engine). The request is lost there and sent again, never a CancelledError.
+    """
+    engines = Coordinators(settings)
+    try:
+        engines.add("e0", seed=0, token_delay=0.02)
+        engines.add("e1", seed=1, token_delay=0.02)
+        with watch_table(settings) as table:
+            table.wait_until(lambda s: len(s) == 2, timeout=30)
+            router = Router(table)
+
+            async def body() -> tuple[dict[str, Any], str]:
+                async with FleetClient(router, client_factory=InferenceClient) as fleet:
+                    await until(lambda: len(fleet.clients) == 2, what="both clients")
+                    request = fleet.add_request(PROMPT, {"num_tokens_to_generate": 50})
+                    busy = await until(
+                        lambda: [e for e, c in engines.engines.items() if c.requests_held()],
+                        what="the request on an engine",
+                    )
+                    moved = StandInCoordinator(seed=7).start()  # the same engine, a new address
+                    engines.engines[busy[0]].close()
+                    engines.engines[busy[0]] = moved
+                    caps = make_endpoint(7).capabilities
+                    await asyncio.to_thread(engines.registrations[busy[0]].close)
+                    engines.registrations[busy[0]] = await asyncio.to_thread(
+                        lambda: register_engine(
+                            InferenceEngineEndpoint(moved.address, caps),
+                            engine_id=busy[0],
+                            settings=settings,
+                            ttl=10,
+                            replace=True,
+                        )
+                    )
+                    return await request, busy[0]
+
+            reply, victim = run(body())
+            assert seed_of(reply) in ({0, 1} - {int(victim[1])})  # the other engine answered
+            assert reply["status"] == "COMPLETED" and len(reply["generated_tokens"]) == 50
+    finally:
+        engines.close()
+
+
 def test_a_stream_that_gave_tokens_fails_saying_how_many(settings: Settings) -> None:
     engines = [launched(settings, "s0", seed=0)]
     try:
