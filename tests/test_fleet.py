@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,8 +40,9 @@ from discovery.stand_in_coordinator import (
     generated_tokens,
 )
 
-from .helpers import STAND_IN, Launcher, make_endpoint, make_layout, wait_for
+from .helpers import STAND_IN, Launcher, make_endpoint, make_layout, run_python, wait_for
 
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "fleet.md"
 PROMPT = [1, 2, 3]
 PARAMS = {"num_tokens_to_generate": 4}
 
@@ -374,3 +377,13 @@ def test_a_request_before_start_is_refused(settings: Settings) -> None:
         pytest.raises(RuntimeError, match="start the fleet client first"),
     ):
         FleetClient(router).add_request(PROMPT, PARAMS)
+
+
+@pytest.mark.external
+def test_the_fleet_guide_runs_as_written() -> None:
+    """docs/fleet.md's python blocks, in order in one interpreter (its first starts etcd)."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    assert len(blocks) >= 4, "setup, frontend, rollout loop, teardown"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
+    returncode, _, err = run_python("\n".join(blocks), env, timeout=120)
+    assert returncode == 0, err[-4000:]
