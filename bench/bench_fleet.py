@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import statistics
@@ -67,7 +68,7 @@ from tests.helpers import STAND_IN, Launcher, cli_env
 OVERHEAD_ENGINES = 64
 CONCURRENCY = 128
 REQUESTS = 3000  # per round
-ROUNDS = 3  # of each path, alternating
+ROUNDS = 5  # of each path, alternating
 SHORT = {"num_tokens_to_generate": 1}
 LOSS_ENGINES = 8
 IN_FLIGHT = 100
@@ -85,6 +86,8 @@ CAPS = InferenceEngineCapabilities(
     total_kv_blocks=4096,
     max_num_seqs=256,
     max_num_batched_tokens=8192,
+    bos_token_id=1,
+    enable_prefix_caching=True,
 )
 
 
@@ -467,6 +470,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.host:
         return host_main(args)
+    logging.basicConfig(level=logging.ERROR)  # not a line per resent request
     body, targets = run()
     print(body)
     for target in targets:

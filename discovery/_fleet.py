@@ -329,6 +329,8 @@ class FleetClient:
         """The client of ``handle``'s engine, opened now if it is not yet."""
         engine = self._engines.get(handle.engine_id)
         address = handle.endpoint.coordinator_address
+        if engine is not None and engine.address == address and engine.client is not None:
+            return engine.client  # open: no await (this runs once per request)
         if engine is None or engine.address != address:
             engine = self._open(handle.engine_id, handle.record)
         return await asyncio.shield(engine.ready)
@@ -478,17 +480,23 @@ class FleetClient:
         client = await self._reach(handle)
         future = submit(client)
         engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
-        watched = [asyncio.ensure_future(h.wait_lost()) for h in (handle, *keep)]
+        # Plain futures woken by callbacks, no task per watch: this runs once per request.
+        assert self._loop is not None
+        woken = self._loop.create_future()
+
+        def wake(_: object) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        future.add_done_callback(wake)
+        watched = [self._watch(h, wake) for h in (handle, *keep)]
         try:
-            done, _ = await asyncio.wait([future, *watched], return_when=asyncio.FIRST_COMPLETED)
+            await woken
         except asyncio.CancelledError:
             _abort(client, engine_request, future)
             handle.release()
             raise
-        finally:
-            for watch in watched:
-                watch.cancel()
-        if future in done and not future.cancelled():
+        if future.done() and not future.cancelled():
             reply = future.result()
             handle.release()  # it answered, whatever the reply says of the request
             return reply
@@ -499,6 +507,19 @@ class FleetClient:
         lost = next(w for w in watched if w.done())
         handle.release(failed=lost is watched[0])
         raise _Lost(handle if lost is watched[0] else keep[0], lost.result())
+
+    def _watch(self, handle: PickHandle, wake: Callable[[object], None]) -> asyncio.Future[str]:
+        """A future of the reason ``handle``'s engine is lost, calling ``wake`` when it is.
+
+        The router resolves it on this loop (``wait_lost`` without its task); it is left to
+        the garbage collector: the router forgets it when the handle is released.
+        """
+        assert self._loop is not None
+        lost: asyncio.Future[str] = self._loop.create_future()
+        if not self._router._listen(handle, lost):
+            lost.set_result(handle.lost or "")
+        lost.add_done_callback(wake)
+        return lost
 
     def _stopped_reason(self, handle: PickHandle) -> str:
         """Why ``handle``'s engine's client stopped under a request it had not answered.
