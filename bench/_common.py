@@ -63,6 +63,7 @@ PAGE_ORDER = (
     "routing_quality",
     "relay",
     "overload",
+    "fleet",
     "failures",
     "chaos",
 )

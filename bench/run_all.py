@@ -51,6 +51,7 @@ BENCHMARKS = {
     "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),
     "overload": ([], ["--seconds", "15"]),
     "failures": ([], ["--runs", "1", "--only", "launch-death,register-death,drain"]),
+    "fleet": ([], []),
 }
 
 

@@ -13,7 +13,8 @@ engine's reply, as Megatron's does; ``add_request_streaming`` an async iterator 
 waiting when the fleet is full) and sent through the chosen engine's client. Its handle is
 released when the reply comes (a reply, whatever its status, is an engine that answered),
 and released as failed when the engine is lost first (``PickHandle.wait_lost``: removed,
-stalled, stopping, fenced, unconfirmed and dead). A request whose engine is lost before
+stalled, stopping, fenced, unconfirmed and dead; or its client stopped because its record
+left or moved, which may come first). A request whose engine is lost before
 anything came back is aborted there and sent once more to another engine (excluding the
 lost one); a stream that already gave tokens fails with ``RequestLostError`` saying how
 many (``resend=False``: every loss fails). Cancelling the future, or closing the stream,
@@ -210,6 +211,7 @@ class FleetClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._disaggregated = False
+        self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -227,7 +229,8 @@ class FleetClient:
         return self
 
     async def stop(self) -> None:
-        """Stop every engine's client. Requests still waiting fail."""
+        """Stop every engine's client. Requests still waiting fail (RequestLostError)."""
+        self._closed = True
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -326,6 +329,8 @@ class FleetClient:
         """The client of ``handle``'s engine, opened now if it is not yet."""
         engine = self._engines.get(handle.engine_id)
         address = handle.endpoint.coordinator_address
+        if engine is not None and engine.address == address and engine.client is not None:
+            return engine.client  # open: no await (this runs once per request)
         if engine is None or engine.address != address:
             engine = self._open(handle.engine_id, handle.record)
         return await asyncio.shield(engine.ready)
@@ -383,6 +388,8 @@ class FleetClient:
     ) -> _Route:
         if self._loop is None:
             raise RuntimeError("start the fleet client first (async with FleetClient(...))")
+        if self._closed:
+            raise RuntimeError("the fleet client is stopped")
         tokens = prompt_tokens if prompt_tokens is not None else prompt
         if isinstance(tokens, str):
             tokens = ()  # no token ids: no affinity, only load
@@ -424,7 +431,7 @@ class FleetClient:
                 return await self._send(route, pair)
             except _Lost as lost:
                 excluded.add(lost.handle.engine_id)
-                if not self._resend or resent:
+                if not self._resend or resent or self._closed:
                     raise RequestLostError(
                         lost.handle.engine_id, lost.reason, tokens=0, resent=resent
                     ) from None
@@ -473,24 +480,58 @@ class FleetClient:
         client = await self._reach(handle)
         future = submit(client)
         engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
-        watched = [asyncio.ensure_future(h.wait_lost()) for h in (handle, *keep)]
+        # Plain futures woken by callbacks, no task per watch: this runs once per request.
+        assert self._loop is not None
+        woken = self._loop.create_future()
+
+        def wake(_: object) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        future.add_done_callback(wake)
+        watched = [self._watch(h, wake) for h in (handle, *keep)]
         try:
-            done, _ = await asyncio.wait([future, *watched], return_when=asyncio.FIRST_COMPLETED)
+            await woken
         except asyncio.CancelledError:
             _abort(client, engine_request, future)
             handle.release()
             raise
-        finally:
-            for watch in watched:
-                watch.cancel()
-        if future in done:
+        if future.done() and not future.cancelled():
             reply = future.result()
             handle.release()  # it answered, whatever the reply says of the request
             return reply
+        if future.cancelled():  # not by us (that is the except above): its client stopped
+            handle.release(failed=True)
+            raise _Lost(handle, self._stopped_reason(handle))
         _abort(client, engine_request, future)
         lost = next(w for w in watched if w.done())
         handle.release(failed=lost is watched[0])
         raise _Lost(handle if lost is watched[0] else keep[0], lost.result())
+
+    def _watch(self, handle: PickHandle, wake: Callable[[object], None]) -> asyncio.Future[str]:
+        """A future of the reason ``handle``'s engine is lost, calling ``wake`` when it is.
+
+        The router resolves it on this loop (``wait_lost`` without its task); it is left to
+        the garbage collector: the router forgets it when the handle is released.
+        """
+        assert self._loop is not None
+        lost: asyncio.Future[str] = self._loop.create_future()
+        if not self._router._listen(handle, lost):
+            lost.set_result(handle.lost or "")
+        lost.add_done_callback(wake)
+        return lost
+
+    def _stopped_reason(self, handle: PickHandle) -> str:
+        """Why ``handle``'s engine's client stopped under a request it had not answered.
+
+        ``_sync`` stops the client of an engine whose record left or moved at once, and
+        Megatron's ``stop()`` cancels the futures and ends the streams it holds; the router
+        tells the handle later (a record gone while ready is held as unconfirmed first), or
+        never (a new address is the same engine): the request is lost there all the same.
+        """
+        if self._closed:
+            return "the fleet client was stopped"
+        return handle.lost or "its client was stopped: the engine left the table or moved"
 
     async def _stream(
         self, route: _Route, options: dict[str, Any], wait: float | None
@@ -509,7 +550,7 @@ class FleetClient:
                 return
             except _Lost as lost:
                 excluded.add(lost.handle.engine_id)
-                if tokens or not self._resend or resent:
+                if tokens or not self._resend or resent or self._closed:
                     raise RequestLostError(
                         lost.handle.engine_id, lost.reason, tokens=tokens, resent=resent
                     ) from None
@@ -566,9 +607,9 @@ class FleetClient:
                     raise _Lost(handle, lost.result())
                 try:
                     item = following.result()
-                except StopAsyncIteration:
-                    handle.release()
-                    return
+                except StopAsyncIteration:  # ended without its final item: client stopped
+                    handle.release(failed=True)
+                    raise _Lost(handle, self._stopped_reason(handle)) from None
                 yield item
                 if isinstance(item, dict) and "final" in item:
                     handle.release()
