@@ -41,7 +41,6 @@ from .. import (
     Settings,
     watch_table,
 )
-from .._pairs import DEFAULT_ALONE_BELOW
 from ..stand_in_engine import default_endpoint, nested_ready
 from ._args import (
     UsageError,
@@ -264,7 +263,7 @@ def _show_a_pair(table: RoutingTable, started: float) -> None:
             _say(
                 started,
                 f"a 16-token prompt, aggregated engines allowed: {alone.decode.engine_id} "
-                f"alone (shorter than alone_below, {DEFAULT_ALONE_BELOW} tokens)",
+                "alone (shorter than pick_pair's alone_below)",
             )
     except NoEngineAvailableError as exc:  # fewer than 3 engines: no pair to show
         _say(started, f"no pair: {exc}")
