@@ -826,10 +826,10 @@ class Router:
         try:
             with self._lock:
                 self._refresh_locked()
-                near, every = self._partners_locked(
+                near, every, only = self._partners_locked(
                     ask, prefill, exclude_decode, pair_within, require_within
                 )
-            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=ids(every))
+            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=only)
             decode = keep_decode or self._decode_locked_or_wait(decode_ask, near, every, deadline)
         except BaseException:
             if keep_prefill is None:
@@ -886,7 +886,8 @@ class Router:
                 + (f" ({handoff_problem(prefills[0].record, decodes[0].record)})"
                    if prefills and decodes else "")
             )  # fmt: skip
-        return prefill._replace(only=viable)
+        # Every one viable: no filter, so the policy sees the pool's own tuple.
+        return prefill._replace(only=None if len(viable) == len(prefills) else viable)
 
     def _partners_locked(
         self,
@@ -895,16 +896,21 @@ class Router:
         exclude_decode: Collection[str] | None,
         within: str | None,
         required: bool,
-    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
-        """The decode candidates ``prefill``'s engine can hand off to: (near, all)."""
+    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...], frozenset[str] | None]:
+        """The decode candidates ``prefill``'s engine can hand off to: (near, all, only).
+
+        ``only``: the ids of all, or None when they are the whole decode pool (no filter).
+        """
         decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
-        pairing = self._pairing_locked(self._side_locked(decode), within)
-        near, every = pairing.partners(prefill._engine, required)
+        side = self._side_locked(decode)
+        near, every = self._pairing_locked(side, within).partners(prefill._engine, required)
         if not every:
             raise NoEngineAvailableError(
                 f"no decode candidate can take {prefill.engine_id}'s hand-off now"
             )
-        return near, every
+        # The pool's own tuple reaches the policy unfiltered (its caches key on it).
+        whole = not decode.exclude and len(every) == len(side)
+        return near, every, None if whole else ids(every)
 
     def _side_locked(self, ask: _Ask) -> tuple[Candidate, ...]:
         """One side's candidates: every filter but capacity (a pick waits for room)."""
