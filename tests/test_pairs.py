@@ -2,7 +2,8 @@
 label when asked, an aggregated engine alone when allowed, one side kept on a re-pick.
 
 Tables fed by hand (``Fleet``), but for the losses of engines registered in etcd (the
-``store`` fixture: in memory, then real etcd) and docs/prefill-decode.md's examples. The
+``store`` fixture: in memory, then real etcd); docs/prefill-decode.md's examples run in
+tests/test_docs.py (every guide's, on etcd). The
 compatibility rule itself is tests/test_handoff.py's, the role from the ready shapes and
 the flags tests/test_launch.py's and tests/test_cli.py's, and the figures (hit rate,
 spread, racks, pick cost) bench/bench_pairs.py's.
@@ -11,10 +12,8 @@ spread, racks, pick cost) bench/bench_pairs.py's.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -268,16 +267,3 @@ def test_an_engine_leaving_etcd_tells_its_sides_handle_and_a_re_pick_keeps_the_o
     finally:
         for registration in engines.values():
             registration.close()
-
-
-# -- docs/prefill-decode.md --------------------------------------------------------------
-
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "prefill-decode.md"
-
-
-def test_the_guides_examples_run_in_order_in_one_namespace() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.DOTALL)
-    assert blocks, "docs/prefill-decode.md has no python example"
-    namespace: dict[str, object] = {"__name__": "__guide__"}
-    for index, block in enumerate(blocks):
-        exec(compile(block, f"{GUIDE}: python block {index + 1}", "exec"), namespace)
