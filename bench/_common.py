@@ -61,6 +61,7 @@ PAGE_ORDER = (
     "sessions",
     "router",
     "routing_quality",
+    "pairs",
     "relay",
     "overload",
     "fleet",

@@ -49,6 +49,7 @@ BENCHMARKS = {
     "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
     "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
     "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),
+    "pairs": ([], ["--quick"]),
     "overload": ([], ["--seconds", "15"]),
     "failures": ([], ["--runs", "1", "--only", "launch-death,register-death,drain"]),
     "fleet": ([], []),

@@ -2,7 +2,7 @@
 
 Megatron-Core hands a request's KV (and, for hybrid models, SSM) state from a prefill
 engine to a decode engine (``megatron/core/inference/disaggregation/``; every fact below
-is cited with its file and commit in docs/routing.md, "Prefill/decode"). The record says
+is cited with its file and commit in docs/prefill-decode.md). The record says
 what a router needs to know which pairs can hand off: ``role``, ``kv_transfer_backend``
 and ``kv_layout`` (declared in ``_record.py``). ``handoff_problem(prefill, decode)`` is
 Megatron's rule: None when the pair can hand off, else the reason.
@@ -267,7 +267,7 @@ class HandoffKey(NamedTuple):
     """The layout's unknown keys, as canonical JSON."""
 
 
-# Why each part of the key must be equal (docs/routing.md cites the file and commit).
+# Why each part of the key must be equal (docs/prefill-decode.md cites the file and commit).
 _EQUAL_BECAUSE = {
     "kv_transfer_backend": "both engines must run the same transfer backend",
     "kv_cache_block_size": "the decode engine counts the prompt's blocks in its own block size",

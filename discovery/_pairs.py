@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 from ._handoff import HandoffKey, handoff_key
 from ._policies import Candidate
+from ._record import EngineRecord
 
-__all__ = ["Pairing"]
+__all__ = ["HandoffKeys", "Pairing"]
 
 DEFAULT_ALONE_BELOW = 512
 """Prompts shorter than this (two 256-token blocks) go to an aggregated engine alone, when
@@ -36,35 +37,82 @@ DEFAULT_ALONE_SHARE = 0.9
 allowed: it computes a tenth of the prompt, and nothing moves between engines."""
 
 
+class HandoffKeys:
+    """``handoff_key`` of each record, computed once per record (a pick reads every one).
+
+    Records are immutable and the table keeps the same object until the engine's record
+    changes, so an engine's key is kept with the record it was computed from. Keys of
+    engines gone are dropped all at once when they outnumber those of a pick's engines.
+    """
+
+    __slots__ = ("_keys",)
+
+    _KEEP = 1024
+    """Entries kept whatever the fleet's size, before old ones are dropped."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[EngineRecord, HandoffKey | None]] = {}
+
+    def __call__(self, record: EngineRecord) -> HandoffKey | None:
+        """``handoff_key(record)``, from the cache when ``record`` is the one it was for."""
+        known = self._keys.get(record.engine_id)
+        if known is not None and known[0] is record:
+            return known[1]
+        key = handoff_key(record)
+        self._keys[record.engine_id] = (record, key)
+        return key
+
+    def trim(self, engines: int) -> None:
+        """Drop every key when there are more than twice ``engines`` (and ``_KEEP``)."""
+        if len(self._keys) > max(self._KEEP, 2 * engines):
+            self._keys.clear()
+
+
 class Pairing(NamedTuple):
-    """The decode candidates of one candidate set, by hand-off key."""
+    """The decode candidates of one candidate set, by hand-off key (and ``within`` value)."""
 
     by_key: dict[HandoffKey, tuple[Candidate, ...]]
+    near: dict[tuple[HandoffKey, str], tuple[Candidate, ...]]
+    """By key and the value of the ``within`` label (empty without one)."""
+    within: str | None
+    keys: HandoffKeys
 
     @classmethod
-    def of(cls, decodes: Iterable[Candidate]) -> Pairing:
+    def of(cls, decodes: Iterable[Candidate], keys: HandoffKeys, within: str | None) -> Pairing:
         """Group ``decodes`` by their hand-off key (those with none can pair with no one)."""
         groups: dict[HandoffKey, list[Candidate]] = {}
+        near: dict[tuple[HandoffKey, str], list[Candidate]] = {}
         for engine in decodes:
-            key = handoff_key(engine.record)
-            if key is not None:
-                groups.setdefault(key, []).append(engine)
-        return cls({key: tuple(group) for key, group in groups.items()})
+            key = keys(engine.record)
+            if key is None:
+                continue
+            groups.setdefault(key, []).append(engine)
+            value = None if within is None else engine.record.labels.get(within)
+            if value is not None:
+                near.setdefault((key, value), []).append(engine)
+        return cls(
+            {key: tuple(group) for key, group in groups.items()},
+            {pair: tuple(group) for pair, group in near.items()},
+            within,
+            keys,
+        )
 
     def partners(
-        self, prefill: Candidate, within: str | None, required: bool
+        self, prefill: Candidate, required: bool
     ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
         """``prefill``'s partners: (those with the same ``within`` label value, all of them).
 
         With ``within`` required, both are the ones with the same value (none when the
         prefill engine lacks the label).
         """
-        key = handoff_key(prefill.record)
-        every = self.by_key.get(key, ()) if key is not None else ()
-        if within is None:
+        key = self.keys(prefill.record)
+        if key is None:
+            return (), ()
+        every = self.by_key.get(key, ())
+        if self.within is None:
             return every, every
-        value = prefill.record.labels.get(within)
-        near = tuple(e for e in every if value is not None and e.record.labels.get(within) == value)
+        value = prefill.record.labels.get(self.within)
+        near = () if value is None else self.near.get((key, value), ())
         return near, near if required else every
 
 

@@ -115,7 +115,7 @@ from ._fencing import (
 )
 from ._handoff import EngineRole, handoff_problem
 from ._metrics import NO_METRICS, MetricsHooks
-from ._pairs import DEFAULT_ALONE_BELOW, DEFAULT_ALONE_SHARE, Pairing, ids
+from ._pairs import DEFAULT_ALONE_BELOW, DEFAULT_ALONE_SHARE, HandoffKeys, Pairing, ids
 from ._policies import (
     DEFAULT_INDEX_BLOCKS,
     DEFAULT_LOAD_FACTOR,
@@ -550,6 +550,9 @@ class Router:
             threshold=protect_threshold, window=protect_window, grace=protect_grace, clock=clock
         )
         self._states = states
+        self._handoff_keys = HandoffKeys()  # a pair's sides, by hand-off key (under the lock)
+        self._pairing: tuple[tuple[Candidate, ...], str | None, Pairing] | None = None
+        self._viable: tuple[tuple[Candidate, ...], Pairing, bool, frozenset[str]] | None = None
         self._load_changes = (
             None if states is None else states.load_changes(notify=self._load_changed)
         )
@@ -823,10 +826,10 @@ class Router:
         try:
             with self._lock:
                 self._refresh_locked()
-                near, every = self._partners_locked(
+                near, every, only = self._partners_locked(
                     ask, prefill, exclude_decode, pair_within, require_within
                 )
-            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=ids(every))
+            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=only)
             decode = keep_decode or self._decode_locked_or_wait(decode_ask, near, every, deadline)
         except BaseException:
             if keep_prefill is None:
@@ -869,12 +872,12 @@ class Router:
         prefill = ask._replace(roles=PREFILL, exclude=frozenset(exclude_prefill or ()))
         prefills = self._side_locked(prefill)
         if keep_decode is not None:
-            decodes: Sequence[Candidate] = (keep_decode._engine,)
+            decodes: tuple[Candidate, ...] = (keep_decode._engine,)
         else:
             decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
             decodes = self._side_locked(decode)
-        pairing = Pairing.of(decodes)
-        viable = [p for p in prefills if pairing.partners(p, within, required)[1]]
+        self._handoff_keys.trim(len(prefills) + len(decodes))
+        viable = self._viable_locked(prefills, self._pairing_locked(decodes, within), required)
         if not viable:
             raise NoEngineAvailableError(
                 f"no pair can hand off: none of the {len(prefills)} prefill candidates has a "
@@ -883,7 +886,8 @@ class Router:
                 + (f" ({handoff_problem(prefills[0].record, decodes[0].record)})"
                    if prefills and decodes else "")
             )  # fmt: skip
-        return prefill._replace(only=ids(viable))
+        # Every one viable: no filter, so the policy sees the pool's own tuple.
+        return prefill._replace(only=None if len(viable) == len(prefills) else viable)
 
     def _partners_locked(
         self,
@@ -892,23 +896,50 @@ class Router:
         exclude_decode: Collection[str] | None,
         within: str | None,
         required: bool,
-    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
-        """The decode candidates ``prefill``'s engine can hand off to: (near, all)."""
+    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...], frozenset[str] | None]:
+        """The decode candidates ``prefill``'s engine can hand off to: (near, all, only).
+
+        ``only``: the ids of all, or None when they are the whole decode pool (no filter).
+        """
         decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
-        pairing = Pairing.of(self._side_locked(decode))
-        near, every = pairing.partners(prefill._engine, within, required)
+        side = self._side_locked(decode)
+        near, every = self._pairing_locked(side, within).partners(prefill._engine, required)
         if not every:
             raise NoEngineAvailableError(
                 f"no decode candidate can take {prefill.engine_id}'s hand-off now"
             )
-        return near, every
+        # The pool's own tuple reaches the policy unfiltered (its caches key on it).
+        whole = not decode.exclude and len(every) == len(side)
+        return near, every, None if whole else ids(every)
 
     def _side_locked(self, ask: _Ask) -> tuple[Candidate, ...]:
         """One side's candidates: every filter but capacity (a pick waits for room)."""
         pool = self._pool_locked(
             ask.selector, len(ask.prompt_tokens), ask.max_tokens, ask.versions, ask.roles
         )
+        if not ask.exclude:
+            return pool.candidates  # the pool's own tuple: the pairing memo knows it
         return tuple(e for e in pool.candidates if e.engine_id not in ask.exclude)
+
+    def _pairing_locked(self, decodes: tuple[Candidate, ...], within: str | None) -> Pairing:
+        """``decodes`` grouped by hand-off key: kept while the pool's tuple is the same."""
+        memo = self._pairing
+        if memo is not None and memo[0] is decodes and memo[1] == within:
+            return memo[2]
+        pairing = Pairing.of(decodes, self._handoff_keys, within)
+        self._pairing = (decodes, within, pairing)
+        return pairing
+
+    def _viable_locked(
+        self, prefills: tuple[Candidate, ...], pairing: Pairing, required: bool
+    ) -> frozenset[str]:
+        """The ids of ``prefills`` with a partner in ``pairing``: kept as the pairing is."""
+        memo = self._viable
+        if memo is not None and memo[0] is prefills and memo[1] is pairing and memo[2] == required:
+            return memo[3]
+        viable = ids([p for p in prefills if pairing.partners(p, required)[1]])
+        self._viable = (prefills, pairing, required, viable)
+        return viable
 
     def _alone_locked(
         self, ask: _Ask, allowed: bool, below: int | None, share: float | None

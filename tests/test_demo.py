@@ -68,6 +68,15 @@ def test_demo_runs_under_a_minute_and_leaves_nothing_running(tmp_path: Path) -> 
     assert 2.0 - 0.5 <= float(stalled.group(1)) <= 2.0 + 1.0
     assert "demo-engine-1" not in stalled.group(2)  # skipped while stalled
     assert float(back.group(1)) < 1.0 and "demo-engine-1 x" in back.group(2)
+    # The engines play Megatron's roles (0 aggregated, 1 prefill, 2 decode): a pair, and a
+    # short prompt on the aggregated engine alone.
+    assert re.search(r"added +demo-engine-1 \S+ ready prefill rev=", out), out
+    assert re.search(r"added +demo-engine-2 \S+ ready decode rev=", out), out
+    assert (
+        "a pair for a 1024-token prompt: demo-engine-1 (prefill) -> demo-engine-2 (decode): "
+        "nixl, one model, TP 2 to TP 1 (Megatron reshards)"
+    ) in out
+    assert "a 16-token prompt, aggregated engines allowed: demo-engine-0 alone" in out
     assert "etcdctl --endpoints http://127.0.0.1:" in out and "get --prefix" in out
     assert "nothing left running" in out
     assert _processes_mentioning(namespace) == []

@@ -1,7 +1,7 @@
 """Which prefill engine can hand a request's KV to which decode engine: Megatron's rules.
 
 Each row of the table cites the rule in Megatron-LM (main d98e8a64 unless named; the
-facts with their commits are in docs/routing.md, "Prefill/decode"). Pure, but for the
+facts with their commits are in docs/prefill-decode.md). Pure, but for the
 operators' rewrites (the ``store`` fixture: in memory, and real etcd).
 """
 

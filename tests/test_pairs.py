@@ -1,13 +1,18 @@
 """Prefill/decode pairs picked together (issue 34): compatible by Megatron's rule, within a
 label when asked, an aggregated engine alone when allowed, one side kept on a re-pick.
 
-Tables fed by hand (``Fleet``); the compatibility rule itself is tests/test_handoff.py's,
-and the figures (hit rate, spread, racks, pick cost) bench/bench_pairs.py's.
+Tables fed by hand (``Fleet``), but for the losses of engines registered in etcd (the
+``store`` fixture: in memory, then real etcd); docs/prefill-decode.md's examples run in
+tests/test_docs.py (every guide's, on etcd). The
+compatibility rule itself is tests/test_handoff.py's, the role from the ready shapes and
+the flags tests/test_launch.py's and tests/test_cli.py's, and the figures (hit rate,
+spread, racks, pick cost) bench/bench_pairs.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 
 import pytest
@@ -20,12 +25,17 @@ from discovery import (
     KvLayout,
     NoEngineAvailableError,
     OverloadedError,
+    PickHandle,
     PrefixCachingCoordinatorPolicy,
+    Registration,
     Router,
     block_hashes,
+    register_engine,
+    watch_table,
 )
 from discovery._kvstate import pack_hashes
 
+from .conftest import Store
 from .helpers import make_endpoint, make_layout, wait_for
 from .test_router import Fleet
 
@@ -144,6 +154,12 @@ def test_an_aggregated_engine_serves_alone_exactly_at_the_thresholds() -> None:
     kwargs = {"allow_aggregated": True, "alone_below": 0}
     assert router.pick_pair(prompt, 1, alone_share=0.9, **kwargs).alone
     assert not router.pick_pair(prompt, 1, alone_share=0.91, **kwargs).alone
+    # The default share (0.9) counted in blocks: 9 of 10 cached is alone, 8 of 10 a pair.
+    assert router.pick_pair(prompt, 1, **kwargs).alone
+    states.feed("agg", ["kv", 1, 1, "removed", pack_hashes(cached[8:])])
+    assert not router.pick_pair(prompt, 1, **kwargs).alone
+    # Only complete blocks count: 15 tokens more make no 11th block to miss.
+    assert router.pick_pair([*prompt, *range(15)], 1, alone_share=0.8, **kwargs).alone
     states.stop()
 
 
@@ -181,3 +197,73 @@ def test_a_lost_prefill_engine_tells_its_handle_and_a_re_pick_keeps_the_decode_s
     fleet.records["d1"] = drained
     fleet._deliver((EventType.UPDATED, drained))
     assert all(router.pick_pair([1] * 600, 16).decode.engine_id != "d1" for _ in range(20))
+
+
+def test_a_decode_engine_whose_layout_changes_is_paired_by_its_new_record() -> None:
+    fleet = Fleet()
+    add(fleet, "p", "prefill")
+    add(fleet, "d", "decode")
+    router = Router(fleet.table)
+    assert router.pick_pair([1], 1).decode.engine_id == "d"
+    add(fleet, "d", "decode", layout=make_layout(head_dim=64))  # another model now
+    with pytest.raises(NoEngineAvailableError, match="head_dim differs"):
+        router.pick_pair([1], 1)
+    add(fleet, "d", "decode")
+    assert router.pick_pair([1], 1).decode.engine_id == "d"
+
+
+def _register(store: Store, engine_id: str, role: str, index: int) -> Registration:
+    return register_engine(
+        make_endpoint(index),
+        engine_id=engine_id,
+        ttl=5,
+        labels={"rack": "r0"},
+        role=role,
+        kv_transfer_backend="nixl",
+        kv_layout=make_layout(),
+        **store.using(),
+    )
+
+
+def _told(handle: PickHandle) -> threading.Event:
+    told = threading.Event()
+    handle.on_lost(lambda _: told.set())
+    return told
+
+
+def test_an_engine_leaving_etcd_tells_its_sides_handle_and_a_re_pick_keeps_the_other(
+    store: Store,
+) -> None:
+    engines = {
+        engine_id: _register(store, engine_id, role, index)
+        for index, (engine_id, role) in enumerate(
+            [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")]
+        )
+    }
+    prompt = list(range(600))
+    try:
+        with watch_table(**store.using()) as table:
+            table.wait_until(lambda snap: set(engines) <= set(snap), timeout=15)
+            router = Router(table)
+            pair = router.pick_pair(prompt, 16)
+            assert pair.prefill is not None
+            prefill_told, decode_told = _told(pair.prefill), _told(pair.decode)
+            gone = pair.prefill.engine_id
+            engines[gone].close()  # its lease revoked: the key deleted in etcd
+            assert prefill_told.wait(15), "the prefill handle was not told"
+            assert pair.prefill.lost is not None and pair.decode.lost is None
+            again = router.pick_pair(prompt, 16, keep_decode=pair.decode)
+            assert again.decode is pair.decode
+            assert again.prefill is not None and again.prefill.engine_id != gone
+            # Now the decode side goes: its handle is told, the prefill one is kept.
+            kept_told = _told(again.prefill)
+            engines[pair.decode.engine_id].close()
+            assert decode_told.wait(15), "the decode handle was not told"
+            assert again.prefill.lost is None and not kept_told.is_set()
+            third = router.pick_pair(prompt, 16, keep_prefill=again.prefill)
+            assert third.prefill is again.prefill
+            assert third.decode.engine_id not in (gone, pair.decode.engine_id)
+            third.release()
+    finally:
+        for registration in engines.values():
+            registration.close()

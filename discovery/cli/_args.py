@@ -202,7 +202,7 @@ def add_registration_flags(parser: argparse.ArgumentParser) -> None:
 def add_handoff_flags(parser: argparse.ArgumentParser) -> None:
     """--role, --kv-transfer-backend and --kv-layout: what a prefill/decode hand-off needs."""
     group = parser.add_argument_group(
-        "prefill/decode hand-off (which engines a router pairs; see docs/routing.md)"
+        "prefill/decode hand-off (which engines a router pairs; see docs/prefill-decode.md)"
     )
     group.add_argument(
         "--role",

@@ -3,7 +3,9 @@
 Starts an embedded etcd unless one is configured, starts a few stand-in engines each under
 its own ``discovery launch`` (the engine announces itself with Megatron's ready message and
 the launcher registers it), shows the live table, freezes one engine (SIGSTOP: its
-launcher marks it ``stalled``, a router skips it, SIGCONT brings it back), kills one
+launcher marks it ``stalled``, a router skips it, SIGCONT brings it back), picks a
+prefill/decode pair (the engines play Megatron's roles) and a short prompt's aggregated
+engine alone, kills one
 launcher hard (SIGKILL: removed when its lease expires), stops one gracefully (SIGTERM: its
 lease is revoked at once) and kills one engine process (its launcher revokes at once),
 prints each removal's measured delay, and leaves nothing running.
@@ -31,6 +33,7 @@ from .. import (
     EngineEventReceiver,
     EngineStatus,
     EventType,
+    NoEngineAvailableError,
     PrefixCachingCoordinatorPolicy,
     Router,
     RoutingSnapshot,
@@ -38,7 +41,7 @@ from .. import (
     Settings,
     watch_table,
 )
-from ..stand_in_engine import default_endpoint
+from ..stand_in_engine import default_endpoint, nested_ready
 from ._args import (
     UsageError,
     etcd_configured,
@@ -52,6 +55,9 @@ _POLICIES = tuple(PrefixCachingCoordinatorPolicy)
 _START_TIMEOUT = 30.0
 _STALL_TIMEOUT = 2.0
 _PICKS = 30
+_ROLES = ("aggregated", "prefill", "decode")
+# One model's KV layout on every prefill and decode engine (tensor-parallel sizes may differ).
+_LAYOUT = "pp_size=1,num_layers_global=32,num_kv_heads_global=8,head_dim=128,dtype=bfloat16"
 
 
 def _say(started: float, text: str) -> None:
@@ -81,11 +87,19 @@ def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
         max_num_seqs=64 * (index + 1),
         prefix_caching_coordinator_policy=_POLICIES[index % len(_POLICIES)],
     )
+    role = _ROLES[index % len(_ROLES)]
+    handoff: list[str] = []
+    if role != "aggregated":
+        # Megatron's engine service names its role in the nested ready message; the
+        # backend and layout, which it does not announce, come from the launcher's flags.
+        ready = nested_ready(ready, role)
+        layout = f"tp_size={index % 2 + 1},{_LAYOUT}"
+        handoff = ["--kv-transfer-backend", "nixl", "--kv-layout", layout]
     return [
         sys.executable, "-m", "discovery", "launch",
         "--engine-id", f"demo-engine-{index}",
         "--label", "model=llama-3-8b",
-        "--label", f"role={'prefill' if index % 2 == 0 else 'decode'}",
+        *handoff,
         "--ttl", str(ttl),
         "--stall-timeout", str(_STALL_TIMEOUT),
         *settings_argv(settings),
@@ -145,6 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _print_inspection(settings, started)
             if len(engines) > 1:
                 _show_a_stall(engines[1], "demo-engine-1", table, started)
+            _show_a_pair(table, started)
             steps = [
                 (
                     signal.SIGKILL,
@@ -226,6 +241,32 @@ def _show_a_stall(
         f"{engine_id} ready again {time.monotonic() - thawed:.3f} s after SIGCONT; "
         f"{_PICKS} picks: {_picks(router)}",
     )
+
+
+def _show_a_pair(table: RoutingTable, started: float) -> None:
+    """A prefill engine and a decode engine that can hand off, and a short prompt alone."""
+    router = Router(table)
+    try:
+        with router.pick_pair(list(range(1024)), 16) as pair:
+            snapshot = table.snapshot()
+            prefill, decode = (
+                snapshot[h.engine_id] for h in (pair.prefill or pair.decode, pair.decode)
+            )
+            tp = [r.kv_layout.tp_size if r.kv_layout else "?" for r in (prefill, decode)]
+            _say(
+                started,
+                f"a pair for a 1024-token prompt: {prefill.engine_id} ({prefill.role}) -> "
+                f"{decode.engine_id} ({decode.role}): nixl, one model, TP {tp[0]} to TP "
+                f"{tp[1]} (Megatron reshards)",
+            )
+        with router.pick_pair(list(range(16)), 16, allow_aggregated=True) as alone:
+            _say(
+                started,
+                f"a 16-token prompt, aggregated engines allowed: {alone.decode.engine_id} "
+                "alone (shorter than pick_pair's alone_below)",
+            )
+    except NoEngineAvailableError as exc:  # fewer than 3 engines: no pair to show
+        _say(started, f"no pair: {exc}")
 
 
 def _print_inspection(settings: Settings, started: float) -> None:
