@@ -357,7 +357,7 @@ class FleetClient:
         """
         route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
         options = {"session_key": session_key, "selector": selector, "priority": priority}
-        return asyncio.ensure_future(self._request(route, options, wait))
+        return _Request(self, route, options, wait)
 
     def add_request_streaming(
         self,
@@ -422,31 +422,30 @@ class FleetClient:
                 raise
         return await asyncio.to_thread(pick, route.tokens, route.max_tokens, wait=wait, **arguments)
 
-    async def _request(self, route: _Route, options: dict[str, Any], wait: float | None) -> Any:
-        excluded: set[str] = set()
-        resent = False
-        while True:
-            pair = await self._pick(route, options, wait, excluded)
-            try:
-                return await self._send(route, pair)
-            except _Lost as lost:
-                excluded.add(lost.handle.engine_id)
-                if not self._resend or resent or self._closed:
-                    raise RequestLostError(
-                        lost.handle.engine_id, lost.reason, tokens=0, resent=resent
-                    ) from None
-                resent = True
-                log.warning(
-                    "engine %s lost before it answered (%s): sending the request again",
-                    lost.handle.engine_id,
-                    lost.reason,
-                )
+    def _pick_now(
+        self, route: _Route, options: dict[str, Any], wait: float | None, excluded: set[str]
+    ) -> PickHandle | None:
+        """The engine for an aggregated fleet's request at once; None when it must wait."""
+        router = self._router
+        ask, timeout = router._ask(
+            route.tokens,
+            route.max_tokens,
+            selector=options["selector"],
+            weight_version=None,
+            min_weight_version=None,
+            max_version_lag=None,
+            block_hashes=None,
+            exclude=excluded,
+            wait=wait,
+            priority=options["priority"],
+            session_key=options["session_key"],
+        )
+        return router._pick_now(ask, timeout)
 
     async def _send(self, route: _Route, pair: PickPair) -> Any:
-        """One attempt on ``pair`` (alone or prefill then decode); releases its handles."""
+        """One attempt on a pair: prefill, then decode; releases its handles."""
         prefill = pair.prefill
-        if prefill is None:
-            return await self._on(pair.decode, route, _submit(route, route.params))
+        assert prefill is not None  # one engine alone is a _Request's own attempt
         try:
             first = await self._on(prefill, route, _submit(route, _handoff_params(route.params)))
             handoff = first["disaggregated_params"]
@@ -718,6 +717,206 @@ class FleetClient:
         except DiscoveryError as exc:
             return f"its record could not be written ({exc})"
         return None if written is not None else "it has no record in etcd"
+
+
+class _Request(asyncio.Future[Any]):
+    """One ``add_request``: the caller's future, driven by callbacks (no task per request).
+
+    Callbacks on the engine's reply and the router's loss notice drive it; a task runs only
+    while a pick waits for room, or for a prefill/decode pair. An attempt: the pick, the
+    engine's client (opened if need be), the submit, then the reply or the engine's loss,
+    whichever comes first; a loss releases the handle as failed, aborts the request there
+    and sends it once more elsewhere. ``cancel()`` aborts the request on its engine.
+    """
+
+    __slots__ = (
+        "_client",
+        "_engine_request",
+        "_excluded",
+        "_fleet",
+        "_handle",
+        "_options",
+        "_reply",
+        "_resent",
+        "_route",
+        "_task",
+        "_wait",
+    )
+
+    def __init__(
+        self, fleet: FleetClient, route: _Route, options: dict[str, Any], wait: float | None
+    ) -> None:
+        super().__init__(loop=fleet._loop)
+        self._fleet = fleet
+        self._route = route
+        self._options = options
+        self._wait = wait
+        self._excluded: set[str] = set()
+        self._resent = False
+        self._task: asyncio.Future[Any] | None = None  # a waiting pick, or a pair's attempt
+        self._handle: PickHandle | None = None  # the attempt's on one engine
+        self._client: EngineClient | None = None
+        self._reply: asyncio.Future[Any] | None = None  # the engine's, until it is settled
+        self._engine_request = 0
+        self._attempt()
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the request: abort it where it is (a waiting pick gives its place up)."""
+        if not super().cancel(msg):
+            return False
+        if self._task is not None:
+            self._task.cancel()  # a waiting pick gives its place up; a pair aborts
+        reply, handle = self._reply, self._handle
+        if reply is not None and handle is not None:
+            self._reply = None
+            assert self._client is not None
+            _abort(self._client, self._engine_request, reply)
+            handle.release()
+        return True
+
+    def _attempt(self) -> None:
+        fleet = self._fleet
+        if not fleet._disaggregated:
+            try:
+                handle = fleet._pick_now(self._route, self._options, self._wait, self._excluded)
+            except Exception as exc:
+                self._fail(exc)
+                return
+            if handle is not None:
+                self._on(handle)
+                return
+        self._task = asyncio.ensure_future(
+            fleet._pick(self._route, self._options, self._wait, self._excluded)
+        )
+        self._task.add_done_callback(self._picked)
+
+    def _picked(self, task: asyncio.Future[PickPair]) -> None:
+        self._task = None
+        if task.cancelled():  # by cancel(): the request is over
+            return
+        error = task.exception()
+        if error is not None:
+            self._fail(error)
+            return
+        pair = task.result()
+        if self.done():  # cancelled as the pick was served
+            pair.release()
+        elif pair.prefill is None:
+            self._on(pair.decode)
+        else:
+            self._task = asyncio.ensure_future(self._fleet._send(self._route, pair))
+            self._task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Future[Any]) -> None:
+        self._task = None
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, _Lost):
+            self._resend(error.handle, error.reason)
+        elif error is not None:
+            self._fail(error)
+        elif not self.done():
+            self.set_result(task.result())
+
+    def _on(self, handle: PickHandle) -> None:
+        """Send on ``handle``'s engine: at once when its client is open (each request)."""
+        self._handle = handle
+        fleet = self._fleet
+        engine = fleet._engines.get(handle.engine_id)
+        address = handle.endpoint.coordinator_address
+        if engine is not None and engine.address == address and engine.client is not None:
+            self._submit(handle, engine.client)
+            return
+        if engine is None or engine.address != address:
+            engine = fleet._open(handle.engine_id, handle.record)
+        engine.ready.add_done_callback(lambda ready: self._reached(handle, ready))
+
+    def _reached(self, handle: PickHandle, ready: asyncio.Future[EngineClient]) -> None:
+        if self.done():  # cancelled meanwhile: nothing was sent
+            handle.release()
+            return
+        error = None if ready.cancelled() else ready.exception()
+        if isinstance(error, ConfigurationError):  # no client factory: not the engine's
+            handle.release()
+            self._fail(error)
+        elif ready.cancelled() or error is not None:  # unreachable: nothing was sent
+            handle.release(failed=True)
+            reason = "its client was closed" if error is None else str(error)
+            self._resend(handle, f"no client: {reason}")
+        else:
+            self._submit(handle, ready.result())
+
+    def _submit(self, handle: PickHandle, client: EngineClient) -> None:
+        route = self._route
+        try:
+            reply = client.add_request(route.prompt, route.params, multi_modal_data=route.images)
+        except Exception as exc:
+            handle.__exit__(type(exc))  # released, no outcome: it may not be the engine's
+            self._fail(exc)
+            return
+        self._client = client
+        self._engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
+        self._reply = reply
+        reply.add_done_callback(self._replied)
+        if not self._fleet._router._listen(handle, self._heard_lost):
+            self._lost(handle)  # lost already: the reply came first, or _lost aborts it
+
+    def _replied(self, reply: asyncio.Future[Any]) -> None:
+        handle = self._handle
+        if reply is not self._reply or handle is None:  # settled already (lost, cancelled)
+            return
+        self._reply = None
+        if reply.cancelled():  # not by us: its client stopped
+            handle.release(failed=True)
+            self._resend(handle, self._fleet._stopped_reason(handle))
+            return
+        error = reply.exception()
+        if error is not None:
+            handle.__exit__(type(error))
+            self._fail(error)
+            return
+        handle.release()  # it answered, whatever the reply says of the request
+        if not self.done():
+            self.set_result(reply.result())
+
+    def _heard_lost(self, handle: PickHandle) -> None:
+        """The router's notice (on the table's event thread): handle it on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.get_loop().call_soon_threadsafe(self._lost, handle)
+
+    def _lost(self, handle: PickHandle) -> None:
+        reply = self._reply
+        if handle is not self._handle or reply is None or reply.done():
+            return  # settled already, or the reply came first (its callback runs next)
+        self._reply = None
+        assert self._client is not None
+        _abort(self._client, self._engine_request, reply)
+        handle.release(failed=True)
+        self._resend(handle, handle.lost or "")
+
+    def _resend(self, handle: PickHandle, reason: str) -> None:
+        """The attempt on ``handle``'s engine was lost: send it again elsewhere, or fail."""
+        fleet = self._fleet
+        self._excluded.add(handle.engine_id)
+        if self.done():
+            return
+        if not fleet._resend or self._resent or fleet._closed:
+            self.set_exception(
+                RequestLostError(handle.engine_id, reason, tokens=0, resent=self._resent)
+            )
+            return
+        self._resent = True
+        log.warning(
+            "engine %s lost before it answered (%s): sending the request again",
+            handle.engine_id,
+            reason,
+        )
+        self._attempt()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.done():
+            self.set_exception(error)
 
 
 @dataclass(frozen=True)

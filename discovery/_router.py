@@ -675,6 +675,17 @@ class Router:
             self._process()  # a fence ran out, an unconfirmed engine may be dead
         return self._outcome(waiter, started)
 
+    def _pick_now(self, ask: _Ask, timeout: float) -> PickHandle | None:
+        """A pick's first try (``ask`` checked): its handle, or None when it must wait.
+
+        For a caller that drives requests with callbacks: ``apick`` only when this says wait.
+        """
+        with self._lock:
+            _, handle = self._first_try_locked(ask, timeout)
+        if handle is not None:
+            self._picked(handle)
+        return handle
+
     async def apick(
         self,
         prompt_tokens: Sequence[int],
