@@ -45,9 +45,9 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ._errors import ConfigurationError, DiscoveryError, NoEngineAvailableError
 from ._handoff import EngineRole
@@ -397,7 +397,11 @@ class FleetClient:
         return _Route(prompt, sampling_params, multi_modal_data, tokens, int(generate))
 
     async def _pick(
-        self, route: _Route, options: dict[str, Any], wait: float | None, excluded: set[str]
+        self,
+        route: _Route,
+        options: dict[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
     ) -> PickPair:
         """The engine (or pair) for one attempt of a request."""
         router = self._router
@@ -423,9 +427,18 @@ class FleetClient:
         return await asyncio.to_thread(pick, route.tokens, route.max_tokens, wait=wait, **arguments)
 
     def _pick_now(
-        self, route: _Route, options: dict[str, Any], wait: float | None, excluded: set[str]
+        self,
+        route: _Route,
+        options: dict[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
+        listener: Callable[[PickHandle], object],
     ) -> PickHandle | None:
-        """The engine for an aggregated fleet's request at once; None when it must wait."""
+        """The engine for an aggregated fleet's request at once; None when it must wait.
+
+        ``listener`` hears of the handle's loss (``PickHandle.on_lost``, on the table's
+        event thread), from the pick on.
+        """
         router = self._router
         ask, timeout = router._ask(
             route.tokens,
@@ -440,7 +453,7 @@ class FleetClient:
             priority=options["priority"],
             session_key=options["session_key"],
         )
-        return router._pick_now(ask, timeout)
+        return router._pick_now(ask, timeout, listener)
 
     async def _send(self, route: _Route, pair: PickPair) -> Any:
         """One attempt on a pair: prefill, then decode; releases its handles."""
@@ -751,7 +764,7 @@ class _Request(asyncio.Future[Any]):
         self._route = route
         self._options = options
         self._wait = wait
-        self._excluded: set[str] = set()
+        self._excluded: frozenset[str] = frozenset()  # the engines lost under it
         self._resent = False
         self._task: asyncio.Future[Any] | None = None  # a waiting pick, or a pair's attempt
         self._handle: PickHandle | None = None  # the attempt's on one engine
@@ -778,7 +791,9 @@ class _Request(asyncio.Future[Any]):
         fleet = self._fleet
         if not fleet._disaggregated:
             try:
-                handle = fleet._pick_now(self._route, self._options, self._wait, self._excluded)
+                handle = fleet._pick_now(
+                    self._route, self._options, self._wait, self._excluded, self._heard_lost
+                )
             except Exception as exc:
                 self._fail(exc)
                 return
@@ -802,7 +817,11 @@ class _Request(asyncio.Future[Any]):
         if self.done():  # cancelled as the pick was served
             pair.release()
         elif pair.prefill is None:
-            self._on(pair.decode)
+            if self._fleet._router._listen(pair.decode, self._heard_lost):
+                self._on(pair.decode)
+            else:  # lost already: nothing was sent
+                pair.decode.release(failed=True)
+                self._resend(pair.decode, pair.decode.lost or "")
         else:
             self._task = asyncio.ensure_future(self._fleet._send(self._route, pair))
             self._task.add_done_callback(self._sent)
@@ -820,7 +839,7 @@ class _Request(asyncio.Future[Any]):
             self.set_result(task.result())
 
     def _on(self, handle: PickHandle) -> None:
-        """Send on ``handle``'s engine: at once when its client is open (each request)."""
+        """Send on ``handle``'s engine (its loss heard): at once when its client is open."""
         self._handle = handle
         fleet = self._fleet
         engine = fleet._engines.get(handle.engine_id)
@@ -844,6 +863,9 @@ class _Request(asyncio.Future[Any]):
             handle.release(failed=True)
             reason = "its client was closed" if error is None else str(error)
             self._resend(handle, f"no client: {reason}")
+        elif handle.lost is not None:  # lost while its client opened (_lost had no reply)
+            handle.release(failed=True)
+            self._resend(handle, handle.lost)
         else:
             self._submit(handle, ready.result())
 
@@ -859,8 +881,6 @@ class _Request(asyncio.Future[Any]):
         self._engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
         self._reply = reply
         reply.add_done_callback(self._replied)
-        if not self._fleet._router._listen(handle, self._heard_lost):
-            self._lost(handle)  # lost already: the reply came first, or _lost aborts it
 
     def _replied(self, reply: asyncio.Future[Any]) -> None:
         handle = self._handle
@@ -898,7 +918,7 @@ class _Request(asyncio.Future[Any]):
     def _resend(self, handle: PickHandle, reason: str) -> None:
         """The attempt on ``handle``'s engine was lost: send it again elsewhere, or fail."""
         fleet = self._fleet
-        self._excluded.add(handle.engine_id)
+        self._excluded = self._excluded | {handle.engine_id}
         if self.done():
             return
         if not fleet._resend or self._resent or fleet._closed:
@@ -919,8 +939,7 @@ class _Request(asyncio.Future[Any]):
             self.set_exception(error)
 
 
-@dataclass(frozen=True)
-class _Route:
+class _Route(NamedTuple):
     prompt: str | Sequence[int]
     params: Any
     images: Any
@@ -971,7 +990,7 @@ def _abort(client: EngineClient, request_id: int, future: asyncio.Future[Any] | 
 
 
 def _get(params: Any, name: str) -> Any:
-    if isinstance(params, Mapping):
+    if type(params) is dict or isinstance(params, Mapping):  # the first: cheap, per request
         return params.get(name)
     return getattr(params, name, None)
 

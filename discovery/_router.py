@@ -675,13 +675,16 @@ class Router:
             self._process()  # a fence ran out, an unconfirmed engine may be dead
         return self._outcome(waiter, started)
 
-    def _pick_now(self, ask: _Ask, timeout: float) -> PickHandle | None:
+    def _pick_now(self, ask: _Ask, timeout: float, listener: Listener) -> PickHandle | None:
         """A pick's first try (``ask`` checked): its handle, or None when it must wait.
 
-        For a caller that drives requests with callbacks: ``apick`` only when this says wait.
+        For a caller that drives requests with callbacks (``apick`` only when this says
+        wait): ``listener`` is told if the handle is lost, as by ``_listen``.
         """
         with self._lock:
             _, handle = self._first_try_locked(ask, timeout)
+            if handle is not None:  # just picked: not lost yet
+                self._listen_locked(handle, listener)
         if handle is not None:
             self._picked(handle)
         return handle
@@ -1456,9 +1459,12 @@ class Router:
             if _lost(handle) is not None:
                 return False
             if not handle._released:  # a released handle hears nothing more
-                engine = handle._engine
-                engine._listening = [*(engine._listening or ()), (handle, listener)]
+                self._listen_locked(handle, listener)
             return True
+
+    def _listen_locked(self, handle: PickHandle, listener: Listener) -> None:
+        engine = handle._engine
+        engine._listening = [*(engine._listening or ()), (handle, listener)]
 
     def _lose_locked(self, engine: Candidate, reason: str) -> None:
         """Handles held on ``engine`` are lost now (their listeners told after the lock)."""
