@@ -1427,7 +1427,7 @@ class Router:
             engine = handle._engine
             engine._release()
             if engine._listening:  # nothing more to tell it
-                engine._listening = [entry for entry in engine._listening if entry[0] is not handle]
+                engine._listening.pop(handle, None)
             self._held -= 1
             # A handle of an engine that left the table holds a detached Candidate.
             if failed is not None and self._engines.get(engine.engine_id) is engine:
@@ -1463,16 +1463,20 @@ class Router:
             return True
 
     def _listen_locked(self, handle: PickHandle, listener: Listener) -> None:
-        engine = handle._engine
-        engine._listening = [*(engine._listening or ()), (handle, listener)]
+        listening = handle._engine._listening
+        if listening is None:
+            handle._engine._listening = {handle: (listener,)}
+        else:  # a dict: a handle's release drops its listeners at once (one per request)
+            listening[handle] = (*listening.get(handle, ()), listener)
 
     def _lose_locked(self, engine: Candidate, reason: str) -> None:
         """Handles held on ``engine`` are lost now (their listeners told after the lock)."""
         self._losses += 1
         engine._losses = [*(engine._losses or ()), (self._losses, reason)]
         listening, engine._listening = engine._listening, None
-        for handle, listener in listening or ():
-            self._notices.append((handle, listener, reason))
+        for handle, listeners in (listening or {}).items():
+            for listener in listeners:
+                self._notices.append((handle, listener, reason))
 
     def _deliver_notices(self) -> None:
         """Tell lost handles' listeners, outside the lock (callbacks on the event thread)."""
