@@ -9,8 +9,9 @@ leaves. Asyncio first: every method runs on the event loop the client was starte
 **Requests.** ``add_request(prompt, sampling_params, ...)`` returns an asyncio future of the
 engine's reply, as Megatron's does; ``add_request_streaming`` an async iterator of
 ``{"partial": ...}`` items then one ``{"final": ...}``. Each request is routed by the router
-(``apick``: the prompt's tokens for affinity, ``session_key``, images go by load, admission's
-waiting when the fleet is full) and sent through the chosen engine's client. Its handle is
+(the prompt's tokens for affinity, ``session_key``, images go by load; a pick that must wait
+for room, admission's, waits as ``apick`` does) and sent through the chosen engine's client;
+``add_request`` runs on callbacks of the engine's reply (no task per request). Its handle is
 released when the reply comes (a reply, whatever its status, is an engine that answered),
 and released as failed when the engine is lost first (``PickHandle.wait_lost``: removed,
 stalled, stopping, fenced, unconfirmed and dead; or its client stopped because its record
