@@ -48,6 +48,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from ._errors import ConfigurationError, DiscoveryError, NoEngineAvailableError
@@ -357,6 +358,8 @@ class FleetClient:
         the pick's (``Router.pick``). Cancelling the future aborts the request.
         """
         route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
+        if session_key is None and selector is None and type(priority) is int and priority == 0:
+            return _Request(self, route, _NO_OPTIONS, wait)
         options = {"session_key": session_key, "selector": selector, "priority": priority}
         return _Request(self, route, options, wait)
 
@@ -400,7 +403,7 @@ class FleetClient:
     async def _pick(
         self,
         route: _Route,
-        options: dict[str, Any],
+        options: Mapping[str, Any],
         wait: float | None,
         excluded: Collection[str],
     ) -> PickPair:
@@ -430,7 +433,7 @@ class FleetClient:
     def _pick_now(
         self,
         route: _Route,
-        options: dict[str, Any],
+        options: Mapping[str, Any],
         wait: float | None,
         excluded: Collection[str],
         listener: Callable[[PickHandle], object],
@@ -441,6 +444,9 @@ class FleetClient:
         event thread), from the pick on.
         """
         router = self._router
+        if options is _NO_OPTIONS and wait is None and not excluded:  # most requests
+            ask, timeout = router._plain_ask(route.tokens, route.max_tokens)
+            return router._pick_now(ask, timeout, listener)
         ask, timeout = router._ask(
             route.tokens,
             route.max_tokens,
@@ -547,7 +553,7 @@ class FleetClient:
         return handle.lost or "its client was stopped: the engine left the table or moved"
 
     async def _stream(
-        self, route: _Route, options: dict[str, Any], wait: float | None
+        self, route: _Route, options: Mapping[str, Any], wait: float | None
     ) -> AsyncIterator[Any]:
         excluded: set[str] = set()
         resent = False
@@ -758,7 +764,7 @@ class _Request(asyncio.Future[Any]):
     )
 
     def __init__(
-        self, fleet: FleetClient, route: _Route, options: dict[str, Any], wait: float | None
+        self, fleet: FleetClient, route: _Route, options: Mapping[str, Any], wait: float | None
     ) -> None:
         super().__init__(loop=fleet._loop)
         self._fleet = fleet
@@ -946,6 +952,12 @@ class _Route(NamedTuple):
     images: Any
     tokens: Sequence[int]
     max_tokens: int
+
+
+_NO_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    {"session_key": None, "selector": None, "priority": 0}
+)
+"""A request's pick options when it gives none (``Router._plain_ask``'s case)."""
 
 
 @dataclass(frozen=True)

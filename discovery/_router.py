@@ -582,6 +582,7 @@ class Router:
         self._next_check = 0.0  # when a pick next looks at unconfirmed engines' evidence
         self._notices: list[tuple[PickHandle, Listener, str]] = []  # told after the lock
         self._batches: collections.deque[tuple[Batch, float]] = collections.deque()
+        self._plain: tuple[_Ask, float] | None = None  # _plain_ask's, checked once
         weakref.finalize(self, table.store.add_sink(_TableSink(self), replay=False))
         if metrics is not None:
             metrics.observe_router(self)
@@ -1102,6 +1103,26 @@ class Router:
         return self._policy.name if isinstance(self._policy, Policy) else self._policy.value
 
     # -- picking -----------------------------------------------------------------------
+
+    def _plain_ask(self, prompt_tokens: Sequence[int], max_tokens: int) -> tuple[_Ask, float]:
+        """``_ask`` with no option (a caller picking per request): the rest checked once."""
+        if type(max_tokens) is not int or max_tokens < 0 or self._plain is None:
+            ask, timeout = self._ask(
+                prompt_tokens,
+                max_tokens,
+                selector=None,
+                weight_version=None,
+                min_weight_version=None,
+                max_version_lag=None,
+                block_hashes=None,
+                exclude=None,
+                wait=None,
+                priority=0,
+            )
+            self._plain = ask, timeout
+            return ask, timeout
+        plain, timeout = self._plain
+        return _Ask(prompt_tokens, max_tokens, *plain[2:]), timeout
 
     def _ask(
         self,
