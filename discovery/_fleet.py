@@ -9,8 +9,9 @@ leaves. Asyncio first: every method runs on the event loop the client was starte
 **Requests.** ``add_request(prompt, sampling_params, ...)`` returns an asyncio future of the
 engine's reply, as Megatron's does; ``add_request_streaming`` an async iterator of
 ``{"partial": ...}`` items then one ``{"final": ...}``. Each request is routed by the router
-(``apick``: the prompt's tokens for affinity, ``session_key``, images go by load, admission's
-waiting when the fleet is full) and sent through the chosen engine's client. Its handle is
+(the prompt's tokens for affinity, ``session_key``, images go by load; a pick that must wait
+for room, admission's, waits as ``apick`` does) and sent through the chosen engine's client;
+``add_request`` runs on callbacks of the engine's reply (no task per request). Its handle is
 released when the reply comes (a reply, whatever its status, is an engine that answered),
 and released as failed when the engine is lost first (``PickHandle.wait_lost``: removed,
 stalled, stopping, fenced, unconfirmed and dead; or its client stopped because its record
@@ -45,9 +46,10 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
 
 from ._errors import ConfigurationError, DiscoveryError, NoEngineAvailableError
 from ._handoff import EngineRole
@@ -356,8 +358,10 @@ class FleetClient:
         the pick's (``Router.pick``). Cancelling the future aborts the request.
         """
         route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
+        if session_key is None and selector is None and type(priority) is int and priority == 0:
+            return _Request(self, route, _NO_OPTIONS, wait)
         options = {"session_key": session_key, "selector": selector, "priority": priority}
-        return asyncio.ensure_future(self._request(route, options, wait))
+        return _Request(self, route, options, wait)
 
     def add_request_streaming(
         self,
@@ -397,7 +401,11 @@ class FleetClient:
         return _Route(prompt, sampling_params, multi_modal_data, tokens, int(generate))
 
     async def _pick(
-        self, route: _Route, options: dict[str, Any], wait: float | None, excluded: set[str]
+        self,
+        route: _Route,
+        options: Mapping[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
     ) -> PickPair:
         """The engine (or pair) for one attempt of a request."""
         router = self._router
@@ -422,31 +430,42 @@ class FleetClient:
                 raise
         return await asyncio.to_thread(pick, route.tokens, route.max_tokens, wait=wait, **arguments)
 
-    async def _request(self, route: _Route, options: dict[str, Any], wait: float | None) -> Any:
-        excluded: set[str] = set()
-        resent = False
-        while True:
-            pair = await self._pick(route, options, wait, excluded)
-            try:
-                return await self._send(route, pair)
-            except _Lost as lost:
-                excluded.add(lost.handle.engine_id)
-                if not self._resend or resent or self._closed:
-                    raise RequestLostError(
-                        lost.handle.engine_id, lost.reason, tokens=0, resent=resent
-                    ) from None
-                resent = True
-                log.warning(
-                    "engine %s lost before it answered (%s): sending the request again",
-                    lost.handle.engine_id,
-                    lost.reason,
-                )
+    def _pick_now(
+        self,
+        route: _Route,
+        options: Mapping[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
+        listener: Callable[[PickHandle], object],
+    ) -> PickHandle | None:
+        """The engine for an aggregated fleet's request at once; None when it must wait.
+
+        ``listener`` hears of the handle's loss (``PickHandle.on_lost``, on the table's
+        event thread), from the pick on.
+        """
+        router = self._router
+        if options is _NO_OPTIONS and wait is None and not excluded:  # most requests
+            ask, timeout = router._plain_ask(route.tokens, route.max_tokens)
+            return router._pick_now(ask, timeout, listener)
+        ask, timeout = router._ask(
+            route.tokens,
+            route.max_tokens,
+            selector=options["selector"],
+            weight_version=None,
+            min_weight_version=None,
+            max_version_lag=None,
+            block_hashes=None,
+            exclude=excluded,
+            wait=wait,
+            priority=options["priority"],
+            session_key=options["session_key"],
+        )
+        return router._pick_now(ask, timeout, listener)
 
     async def _send(self, route: _Route, pair: PickPair) -> Any:
-        """One attempt on ``pair`` (alone or prefill then decode); releases its handles."""
+        """One attempt on a pair: prefill, then decode; releases its handles."""
         prefill = pair.prefill
-        if prefill is None:
-            return await self._on(pair.decode, route, _submit(route, route.params))
+        assert prefill is not None  # one engine alone is a _Request's own attempt
         try:
             first = await self._on(prefill, route, _submit(route, _handoff_params(route.params)))
             handoff = first["disaggregated_params"]
@@ -534,7 +553,7 @@ class FleetClient:
         return handle.lost or "its client was stopped: the engine left the table or moved"
 
     async def _stream(
-        self, route: _Route, options: dict[str, Any], wait: float | None
+        self, route: _Route, options: Mapping[str, Any], wait: float | None
     ) -> AsyncIterator[Any]:
         excluded: set[str] = set()
         resent = False
@@ -720,13 +739,225 @@ class FleetClient:
         return None if written is not None else "it has no record in etcd"
 
 
-@dataclass(frozen=True)
-class _Route:
+class _Request(asyncio.Future[Any]):
+    """One ``add_request``: the caller's future, driven by callbacks (no task per request).
+
+    Callbacks on the engine's reply and the router's loss notice drive it; a task runs only
+    while a pick waits for room, or for a prefill/decode pair. An attempt: the pick, the
+    engine's client (opened if need be), the submit, then the reply or the engine's loss,
+    whichever comes first; a loss releases the handle as failed, aborts the request there
+    and sends it once more elsewhere. ``cancel()`` aborts the request on its engine.
+    """
+
+    __slots__ = (
+        "_client",
+        "_engine_request",
+        "_excluded",
+        "_fleet",
+        "_handle",
+        "_options",
+        "_reply",
+        "_resent",
+        "_route",
+        "_task",
+        "_wait",
+    )
+
+    def __init__(
+        self, fleet: FleetClient, route: _Route, options: Mapping[str, Any], wait: float | None
+    ) -> None:
+        super().__init__(loop=fleet._loop)
+        self._fleet = fleet
+        self._route = route
+        self._options = options
+        self._wait = wait
+        self._excluded: frozenset[str] = frozenset()  # the engines lost under it
+        self._resent = False
+        self._task: asyncio.Future[Any] | None = None  # a waiting pick, or a pair's attempt
+        self._handle: PickHandle | None = None  # the attempt's on one engine
+        self._client: EngineClient | None = None
+        self._reply: asyncio.Future[Any] | None = None  # the engine's, until it is settled
+        self._engine_request = 0
+        self._attempt()
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the request: abort it where it is (a waiting pick gives its place up)."""
+        if not super().cancel(msg):
+            return False
+        if self._task is not None:
+            self._task.cancel()  # a waiting pick gives its place up; a pair aborts
+        reply, handle = self._reply, self._handle
+        if reply is not None and handle is not None:
+            self._reply = None
+            assert self._client is not None
+            _abort(self._client, self._engine_request, reply)
+            handle.release()
+        return True
+
+    def _attempt(self) -> None:
+        fleet = self._fleet
+        if not fleet._disaggregated:
+            try:
+                handle = fleet._pick_now(
+                    self._route, self._options, self._wait, self._excluded, self._heard_lost
+                )
+            except Exception as exc:
+                self._fail(exc)
+                return
+            if handle is not None:
+                self._on(handle)
+                return
+        self._task = asyncio.ensure_future(
+            fleet._pick(self._route, self._options, self._wait, self._excluded)
+        )
+        self._task.add_done_callback(self._picked)
+
+    def _picked(self, task: asyncio.Future[PickPair]) -> None:
+        self._task = None
+        if task.cancelled():  # by cancel(): the request is over
+            return
+        error = task.exception()
+        if error is not None:
+            self._fail(error)
+            return
+        pair = task.result()
+        if self.done():  # cancelled as the pick was served
+            pair.release()
+        elif pair.prefill is None:
+            if self._fleet._router._listen(pair.decode, self._heard_lost):
+                self._on(pair.decode)
+            else:  # lost already: nothing was sent
+                pair.decode.release(failed=True)
+                self._resend(pair.decode, pair.decode.lost or "")
+        else:
+            self._task = asyncio.ensure_future(self._fleet._send(self._route, pair))
+            self._task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Future[Any]) -> None:
+        self._task = None
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, _Lost):
+            self._resend(error.handle, error.reason)
+        elif error is not None:
+            self._fail(error)
+        elif not self.done():
+            self.set_result(task.result())
+
+    def _on(self, handle: PickHandle) -> None:
+        """Send on ``handle``'s engine (its loss heard): at once when its client is open."""
+        self._handle = handle
+        fleet = self._fleet
+        engine = fleet._engines.get(handle.engine_id)
+        address = handle.endpoint.coordinator_address
+        if engine is not None and engine.address == address and engine.client is not None:
+            self._submit(handle, engine.client)
+            return
+        if engine is None or engine.address != address:
+            engine = fleet._open(handle.engine_id, handle.record)
+        engine.ready.add_done_callback(lambda ready: self._reached(handle, ready))
+
+    def _reached(self, handle: PickHandle, ready: asyncio.Future[EngineClient]) -> None:
+        if self.done():  # cancelled meanwhile: nothing was sent
+            handle.release()
+            return
+        error = None if ready.cancelled() else ready.exception()
+        if isinstance(error, ConfigurationError):  # no client factory: not the engine's
+            handle.release()
+            self._fail(error)
+        elif ready.cancelled() or error is not None:  # unreachable: nothing was sent
+            handle.release(failed=True)
+            reason = "its client was closed" if error is None else str(error)
+            self._resend(handle, f"no client: {reason}")
+        elif handle.lost is not None:  # lost while its client opened (_lost had no reply)
+            handle.release(failed=True)
+            self._resend(handle, handle.lost)
+        else:
+            self._submit(handle, ready.result())
+
+    def _submit(self, handle: PickHandle, client: EngineClient) -> None:
+        route = self._route
+        try:
+            reply = client.add_request(route.prompt, route.params, multi_modal_data=route.images)
+        except Exception as exc:
+            handle.__exit__(type(exc))  # released, no outcome: it may not be the engine's
+            self._fail(exc)
+            return
+        self._client = client
+        self._engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
+        self._reply = reply
+        reply.add_done_callback(self._replied)
+
+    def _replied(self, reply: asyncio.Future[Any]) -> None:
+        handle = self._handle
+        if reply is not self._reply or handle is None:  # settled already (lost, cancelled)
+            return
+        self._reply = None
+        if reply.cancelled():  # not by us: its client stopped
+            handle.release(failed=True)
+            self._resend(handle, self._fleet._stopped_reason(handle))
+            return
+        error = reply.exception()
+        if error is not None:
+            handle.__exit__(type(error))
+            self._fail(error)
+            return
+        handle.release()  # it answered, whatever the reply says of the request
+        if not self.done():
+            self.set_result(reply.result())
+
+    def _heard_lost(self, handle: PickHandle) -> None:
+        """The router's notice (on the table's event thread): handle it on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.get_loop().call_soon_threadsafe(self._lost, handle)
+
+    def _lost(self, handle: PickHandle) -> None:
+        reply = self._reply
+        if handle is not self._handle or reply is None or reply.done():
+            return  # settled already, or the reply came first (its callback runs next)
+        self._reply = None
+        assert self._client is not None
+        _abort(self._client, self._engine_request, reply)
+        handle.release(failed=True)
+        self._resend(handle, handle.lost or "")
+
+    def _resend(self, handle: PickHandle, reason: str) -> None:
+        """The attempt on ``handle``'s engine was lost: send it again elsewhere, or fail."""
+        fleet = self._fleet
+        self._excluded = self._excluded | {handle.engine_id}
+        if self.done():
+            return
+        if not fleet._resend or self._resent or fleet._closed:
+            self.set_exception(
+                RequestLostError(handle.engine_id, reason, tokens=0, resent=self._resent)
+            )
+            return
+        self._resent = True
+        log.warning(
+            "engine %s lost before it answered (%s): sending the request again",
+            handle.engine_id,
+            reason,
+        )
+        self._attempt()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.done():
+            self.set_exception(error)
+
+
+class _Route(NamedTuple):
     prompt: str | Sequence[int]
     params: Any
     images: Any
     tokens: Sequence[int]
     max_tokens: int
+
+
+_NO_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    {"session_key": None, "selector": None, "priority": 0}
+)
+"""A request's pick options when it gives none (``Router._plain_ask``'s case)."""
 
 
 @dataclass(frozen=True)
@@ -772,7 +1003,7 @@ def _abort(client: EngineClient, request_id: int, future: asyncio.Future[Any] | 
 
 
 def _get(params: Any, name: str) -> Any:
-    if isinstance(params, Mapping):
+    if type(params) is dict or isinstance(params, Mapping):  # the first: cheap, per request
         return params.get(name)
     return getattr(params, name, None)
 

@@ -228,7 +228,7 @@ class Candidate:
         # The router's: each time it stopped being a good target (a counter, why), and
         # the held handles' listeners waiting to hear of the next time.
         self._losses: list[tuple[int, str]] | None = None
-        self._listening: list[tuple[Any, Any]] | None = None
+        self._listening: dict[Any, tuple[Any, ...]] | None = None  # handle -> listeners
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:

@@ -582,6 +582,7 @@ class Router:
         self._next_check = 0.0  # when a pick next looks at unconfirmed engines' evidence
         self._notices: list[tuple[PickHandle, Listener, str]] = []  # told after the lock
         self._batches: collections.deque[tuple[Batch, float]] = collections.deque()
+        self._plain: tuple[_Ask, float] | None = None  # _plain_ask's, checked once
         weakref.finalize(self, table.store.add_sink(_TableSink(self), replay=False))
         if metrics is not None:
             metrics.observe_router(self)
@@ -674,6 +675,20 @@ class Router:
                 break
             self._process()  # a fence ran out, an unconfirmed engine may be dead
         return self._outcome(waiter, started)
+
+    def _pick_now(self, ask: _Ask, timeout: float, listener: Listener) -> PickHandle | None:
+        """A pick's first try (``ask`` checked): its handle, or None when it must wait.
+
+        For a caller that drives requests with callbacks (``apick`` only when this says
+        wait): ``listener`` is told if the handle is lost, as by ``_listen``.
+        """
+        with self._lock:
+            _, handle = self._first_try_locked(ask, timeout)
+            if handle is not None:  # just picked: not lost yet
+                self._listen_locked(handle, listener)
+        if handle is not None:
+            self._picked(handle)
+        return handle
 
     async def apick(
         self,
@@ -1089,6 +1104,26 @@ class Router:
 
     # -- picking -----------------------------------------------------------------------
 
+    def _plain_ask(self, prompt_tokens: Sequence[int], max_tokens: int) -> tuple[_Ask, float]:
+        """``_ask`` with no option (a caller picking per request): the rest checked once."""
+        if type(max_tokens) is not int or max_tokens < 0 or self._plain is None:
+            ask, timeout = self._ask(
+                prompt_tokens,
+                max_tokens,
+                selector=None,
+                weight_version=None,
+                min_weight_version=None,
+                max_version_lag=None,
+                block_hashes=None,
+                exclude=None,
+                wait=None,
+                priority=0,
+            )
+            self._plain = ask, timeout
+            return ask, timeout
+        plain, timeout = self._plain
+        return _Ask(prompt_tokens, max_tokens, *plain[2:]), timeout
+
     def _ask(
         self,
         prompt_tokens: Sequence[int],
@@ -1413,7 +1448,7 @@ class Router:
             engine = handle._engine
             engine._release()
             if engine._listening:  # nothing more to tell it
-                engine._listening = [entry for entry in engine._listening if entry[0] is not handle]
+                engine._listening.pop(handle, None)
             self._held -= 1
             # A handle of an engine that left the table holds a detached Candidate.
             if failed is not None and self._engines.get(engine.engine_id) is engine:
@@ -1445,17 +1480,24 @@ class Router:
             if _lost(handle) is not None:
                 return False
             if not handle._released:  # a released handle hears nothing more
-                engine = handle._engine
-                engine._listening = [*(engine._listening or ()), (handle, listener)]
+                self._listen_locked(handle, listener)
             return True
+
+    def _listen_locked(self, handle: PickHandle, listener: Listener) -> None:
+        listening = handle._engine._listening
+        if listening is None:
+            handle._engine._listening = {handle: (listener,)}
+        else:  # a dict: a handle's release drops its listeners at once (one per request)
+            listening[handle] = (*listening.get(handle, ()), listener)
 
     def _lose_locked(self, engine: Candidate, reason: str) -> None:
         """Handles held on ``engine`` are lost now (their listeners told after the lock)."""
         self._losses += 1
         engine._losses = [*(engine._losses or ()), (self._losses, reason)]
         listening, engine._listening = engine._listening, None
-        for handle, listener in listening or ():
-            self._notices.append((handle, listener, reason))
+        for handle, listeners in (listening or {}).items():
+            for listener in listeners:
+                self._notices.append((handle, listener, reason))
 
     def _deliver_notices(self) -> None:
         """Tell lost handles' listeners, outside the lock (callbacks on the event thread)."""

@@ -165,6 +165,38 @@ def test_a_cancelled_request_is_aborted_on_its_engine(settings: Settings) -> Non
         engines.close()
 
 
+def test_a_request_waits_for_room_and_a_cancelled_wait_gives_its_place_up(
+    settings: Settings,
+) -> None:
+    """Admission through the fleet: one request an engine; the next waits for the reply."""
+    engines = Coordinators(settings)
+    try:
+        engines.add("slow", seed=0, token_delay=0.02)
+        with watch_table(settings) as table:
+            table.wait_until(lambda s: "slow" in s, timeout=30)
+            router = Router(table, capacity=1, wait=30)
+            long = {"num_tokens_to_generate": 20}
+
+            async def body() -> None:
+                async with FleetClient(router, client_factory=InferenceClient) as fleet:
+                    await until(lambda: fleet.clients, what="the engine's client")
+                    first = fleet.add_request(PROMPT, long)
+                    given_up = fleet.add_request(PROMPT, long)
+                    waiting = fleet.add_request(PROMPT, long)
+                    await until(lambda: router.health().waiting == 2, what="two picks waiting")
+                    assert not (given_up.done() or waiting.done())
+                    given_up.cancel()
+                    await until(lambda: router.health().waiting == 1, what="its place given up")
+                    replies = [await first, await waiting]
+                    assert [len(r["generated_tokens"]) for r in replies] == [20, 20]
+                    assert given_up.cancelled()
+
+            run(body())
+            assert router.in_flight() == {"slow": 0}
+    finally:
+        engines.close()
+
+
 def kill_engine(launcher: Launcher) -> None:
     """SIGKILL the stand-in itself (its launcher sees it die and removes its record)."""
     os.kill(launcher.child_pid(), signal.SIGKILL)
