@@ -73,6 +73,7 @@ from ._settings import Settings
 from ._signals import StopSignals, deregister_on_signals, drain_and_close
 from ._split import Split
 from ._store import EndpointEvent, EventType, RoutingSnapshot
+from ._unknown import UnknownValue
 from ._watcher import (
     EndpointWatcher,
     EngineListing,
@@ -154,6 +155,7 @@ __all__ = [
     "Settings",
     "Split",
     "StopSignals",
+    "UnknownValue",
     "WatcherHealth",
     "WatcherState",
     "__version__",

@@ -544,12 +544,6 @@ def endpoint_from_dict(
     if not isinstance(value, Mapping):
         raise InvalidRecordError(f"{what} is a {type(value).__name__}, not a mapping")
     capabilities = value.get("capabilities")
-    if isinstance(capabilities, Mapping):
-        # Megatron's own enum member: same values, a different class.
-        policy = capabilities.get("prefix_caching_coordinator_policy")
-        if isinstance(policy, enum.Enum):
-            capabilities = {**capabilities, "prefix_caching_coordinator_policy": policy.value}
-        value = {**value, "capabilities": capabilities}
     try:
         endpoint = InferenceEngineEndpoint.from_dict(value)
     except KeyError as exc:

@@ -134,6 +134,7 @@ from ._policies import (
     RoutingPolicy,
     SessionPolicy,
     session_hash,
+    unknown_policy,
 )
 from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossProtection
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
@@ -1628,9 +1629,11 @@ class Router:
                 engine = Candidate(record)
                 if self._states is not None:
                     engine._set_others(*self._share(engine_id))
+                self._note_policy_locked(record, None)
             elif engine.record is not record:
                 if record.endpoint.capabilities.kv_cache_block_size != engine.block_size:
                     self._forget_locked(engine_id)  # its hashes no longer describe its blocks
+                self._note_policy_locked(record, engine.record)
                 engine._update(record)  # keeps its in-flight count
             engines[engine_id] = engine
         for engine_id, engine in self._protection.kept():
@@ -1650,6 +1653,20 @@ class Router:
         self._min_context = ordered[-1].context_length if ordered else 0
         self._pools.clear()
         self._snapshot = snapshot
+
+    def _note_policy_locked(self, record: EngineRecord, before: EngineRecord | None) -> None:
+        """Log (once per value) and count an engine advertising a policy we do not know."""
+        unknown = unknown_policy(record)
+        if unknown is None or (before is not None and unknown_policy(before) == unknown):
+            return
+        self._metrics.unknown_policy()
+        self._warn_once(
+            ("policy", unknown),
+            "engine %s advertises prefix_caching_coordinator_policy %r, which this version "
+            "does not know: auto routes it as load_balanced (logged once per value)",
+            record.engine_id,
+            unknown,
+        )
 
     def _share(self, engine_id: str) -> tuple[int, int, int]:
         """What other routers hold, how many report, our rank (0, 1, 0 without state)."""
@@ -1929,7 +1946,7 @@ class Router:
         groups: dict[str, int] = {}
         for e in engines:
             name = e.advertised.value
-            if e.advertised is not RoutingPolicy.LOAD_BALANCED:
+            if e.advertised in _CACHE_AFFINE:
                 name += f" ({e.block_size}-token blocks)"
             groups[name] = groups.get(name, 0) + 1
         if len(groups) == 1:

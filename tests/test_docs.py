@@ -39,6 +39,7 @@ INTENDED = {
     "DEFAULT_ROOT",
     "DEFAULT_NAMESPACE",
     "MAX_VALUE_BYTES",
+    "UnknownValue",
     # prefill/decode hand-off: what the record says, and which pairs can hand off
     "EngineRole",
     "KvTransferBackend",
