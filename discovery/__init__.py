@@ -55,7 +55,7 @@ from ._policies import (
     SessionPolicy,
 )
 from ._port import EtcdPort
-from ._record import EngineRecord, EngineStatus
+from ._record import EngineRecord, EngineStatus, record_schema
 from ._registration import (
     Registration,
     RegistrationHealth,
@@ -171,6 +171,7 @@ __all__ = [
     "launch",
     "list_engines",
     "pause",
+    "record_schema",
     "register_dynamic_engine",
     "register_engine",
     "resume",

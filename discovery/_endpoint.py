@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from operator import attrgetter
 from typing import Any, Protocol
 
-from ._unknown import UnknownValue, tolerant_reader
+from ._unknown import UnknownValue, name_schema, tolerant_reader
 
 __all__ = [
     "InferenceEngineCapabilities",
@@ -199,6 +199,32 @@ _FIELD_NAMES = tuple(f.name for f in fields(InferenceEngineCapabilities))
 _field_values = attrgetter(*_FIELD_NAMES)
 _POLICY = "prefix_caching_coordinator_policy"
 _read_policy, _ = tolerant_reader(PrefixCachingCoordinatorPolicy, _POLICY)
+
+
+def capabilities_schema() -> dict[str, Any]:
+    """The JSON Schema of ``to_dict()``, from the fields and Megatron's checks above.
+
+    Keys it does not name are allowed (a newer Megatron's): readers keep them.
+    """
+    properties: dict[str, Any] = {}
+    for field in fields(InferenceEngineCapabilities):
+        if field.name == _POLICY:
+            properties[_POLICY] = {
+                **name_schema(PrefixCachingCoordinatorPolicy),
+                "type": ["string", "null"],
+            }
+        elif field.name in _INTEGER_FIELDS:
+            least = 1 if field.name in _POSITIVE_FIELDS else _LEAST.get(field.name)
+            properties[field.name] = {"type": "integer"} | (
+                {} if least is None else {"minimum": least}
+            )
+        else:
+            properties[field.name] = {"type": "boolean"}
+    required = [f.name for f in fields(InferenceEngineCapabilities) if f.default is MISSING]
+    return {"type": "object", "required": required, "properties": properties}
+
+
+_LEAST = {"total_kv_blocks": 0}  # bos_token_id: no range check
 
 
 def read_policy(policy: object) -> PrefixCachingCoordinatorPolicy | str | None:

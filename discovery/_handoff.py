@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ._endpoint import InferenceEngineEndpoint
 from ._errors import InvalidRecordError
-from ._unknown import UnknownValue, read_unknown, tolerant_reader
+from ._unknown import UnknownValue, name_schema, read_unknown, tolerant_reader
 
 __all__ = [
     "EngineRole",
@@ -165,6 +165,17 @@ _REQUIRED = tuple(
 )
 _INTEGERS = tuple(name for name in _NAMES if name != "dtype")
 _MAY_BE_ZERO = ("num_ssm_layers_global", "num_speculative_tokens")
+LAYOUT_SCHEMA = {
+    "type": "object",
+    "required": list(_REQUIRED),
+    "properties": {
+        name: name_schema(KV_DTYPES)
+        if name == "dtype"
+        else {"type": "integer", "minimum": 0 if name in _MAY_BE_ZERO else 1}
+        for name in _NAMES
+    },
+}
+"""The JSON Schema of a stored ``kv_layout`` (other keys are kept, and must match)."""
 
 
 def validate_layout(value: object) -> KvLayout | None:

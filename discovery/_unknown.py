@@ -10,8 +10,8 @@ its own code names; a value a user gives in Python must be a member.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from ._errors import InvalidRecordError
 
@@ -24,6 +24,11 @@ class UnknownValue(str):
     """A value this version does not know, kept as it was read (from etcd or an engine)."""
 
     __slots__ = ()
+
+
+def name_schema(known: Iterable[str]) -> dict[str, Any]:
+    """The JSON Schema of a value read tolerantly: any name, the ``known`` ones as examples."""
+    return {"type": "string", "minLength": 1, "maxLength": _MAX_UNKNOWN, "examples": [*known]}
 
 
 def read_unknown(value: str, what: str) -> UnknownValue:
