@@ -7,7 +7,7 @@ side loads on the other. This module knows nothing about etcd.
 One deliberate difference: a ``prefix_caching_coordinator_policy`` this version does not
 know is kept (an ``UnknownValue``, written back unchanged) where Megatron's ``from_dict``
 raises ValueError. Megatron's enum differs between its versions (``round_robin`` in
-0.17/0.18/dev, ``load_balanced`` on main, more in open PR 6668), and each version's
+0.17/0.18/dev, ``load_balanced`` on main, perhaps another in the next), and each version's
 ``from_dict`` reads the values it writes: a record must not be refused because this
 package is older or newer than the engine. Types and ranges stay as strict as Megatron's.
 """
@@ -37,7 +37,8 @@ class PrefixCachingCoordinatorPolicy(enum.StrEnum):
     and ``load_balanced``, default ``load_balanced`` (since bcf4c8fb, which replaced
     ``round_robin``); core_r0.17.0 (432585d5), core_r0.18.0 (dc0ee41a) and dev (d48bd6be)
     have ``longest_prefix``, ``first_prefix_block`` and ``round_robin``, default
-    ``first_prefix_block``. A value outside this enum (open PR 6668's, say) is read as an
+    ``first_prefix_block``; open PR 6668 (457d3b0a) keeps main's values and moves the default
+    to ``longest_prefix``. A value outside this enum (a later version's) is read as an
     ``UnknownValue`` and kept.
     """
 

@@ -255,10 +255,10 @@ def test_from_dict_converts_every_policy_value_string(policy: Policy) -> None:
 
 
 @pytest.mark.parametrize(
-    "unknown", ["relative_load_weighted", "LONGEST_PREFIX", "Load_Balanced", "x" * 64]
+    "unknown", ["weighted_prefix", "LONGEST_PREFIX", "Load_Balanced", "x" * 64]
 )
 def test_from_dict_keeps_a_policy_string_it_does_not_know(unknown: str) -> None:
-    # Megatron's next value (PR 6668's, say) must not refuse the engine: kept verbatim.
+    # A value of Megatron's next version must not refuse the engine: kept verbatim.
     caps = InferenceEngineCapabilities.from_dict(
         caps_dict(prefix_caching_coordinator_policy=unknown)
     )
@@ -531,10 +531,10 @@ def test_from_engine_reads_a_released_megatron_engine_round_robin() -> None:
 
 
 def test_from_engine_keeps_an_engine_policy_it_does_not_know() -> None:
-    foreign = enum.Enum("Foreign", {"FREE_CAPACITY": "free_capacity_weighted"})
+    foreign = enum.Enum("Foreign", {"FREE_CAPACITY": "prefix_tree_v2"})
     caps = InferenceEngineCapabilities.from_engine(fake_engine(policy=foreign.FREE_CAPACITY))
     assert type(caps.prefix_caching_coordinator_policy) is UnknownValue
-    assert caps.prefix_caching_coordinator_policy == "free_capacity_weighted"
+    assert caps.prefix_caching_coordinator_policy == "prefix_tree_v2"
 
 
 def test_from_engine_logical_data_parallel_size() -> None:

@@ -3,7 +3,7 @@
 Megatron's ``PrefixCachingCoordinatorPolicy`` differs by version (config.py): main
 (d98e8a64) has ``load_balanced`` (its default since bcf4c8fb), core_r0.17.0 (432585d5),
 core_r0.18.0 (dc0ee41a) and dev (d48bd6be) have ``round_robin`` instead (default
-``first_prefix_block``), and open PR 6668 adds more. A record of any of them registers
+``first_prefix_block``), and the next version may add a value. A record of any of them registers
 through the library, ``discovery register --endpoint-file`` and ``discovery launch``, is
 stored unchanged (the same version's ``from_dict`` reads it back) and is routed: ``auto``
 sends ``round_robin`` engines in turn and any value it does not know by load.
@@ -36,7 +36,7 @@ from discovery.stand_in_engine import default_endpoint
 from .helpers import STAND_IN, Launcher, WatchLog, cli_env, get_kv, run_cli, wait_for
 from .test_endpoint import MAIN_POLICIES, RELEASED_POLICIES, megatron_from_dict
 
-INVENTED = "relative_load_weighted"  # a value of open PR 6668's kind: no release has it
+INVENTED = "weighted_prefix"  # invented: no Megatron has it (yet)
 FUTURE_POLICIES = (*MAIN_POLICIES, INVENTED)  # the enum of a Megatron that writes it
 VERSIONS = [
     # (policy as written, the policies of the Megatron version writing it, routed as)

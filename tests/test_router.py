@@ -758,7 +758,7 @@ def test_block_hashes_must_cover_every_complete_block() -> None:
         (LP, RoutingPolicy.LONGEST_PREFIX),
         (LB, RoutingPolicy.LOAD_BALANCED),
         (PrefixCachingCoordinatorPolicy.ROUND_ROBIN, RoutingPolicy.ROUND_ROBIN),  # 0.17/0.18
-        (UnknownValue("relative_load_weighted"), RoutingPolicy.LOAD_BALANCED),  # PR 6668
+        (UnknownValue("weighted_prefix"), RoutingPolicy.LOAD_BALANCED),  # invented
         (None, RoutingPolicy.LOAD_BALANCED),
     ],
 )
@@ -788,19 +788,19 @@ def test_an_unknown_advertised_policy_is_load_balanced_logged_once_per_value_and
 
     registry = CollectorRegistry()
     fleet = Fleet()
-    fleet.add_many(2, policy=UnknownValue("relative_load_weighted"))
+    fleet.add_many(2, policy=UnknownValue("weighted_prefix"))
     prompt = list(range(600))
     with caplog.at_level(logging.WARNING, logger="discovery._router"):
         router = Router(fleet.table, metrics=discovery.Metrics(registry))
         chosen = picks(router, prompt, 8)
-        fleet.add("e000", 0, policy=UnknownValue("relative_load_weighted"), max_num_seqs=32)
-        fleet.add("e002", 2, policy=UnknownValue("free_capacity_weighted"))
+        fleet.add("e000", 0, policy=UnknownValue("weighted_prefix"), max_num_seqs=32)
+        fleet.add("e002", 2, policy=UnknownValue("prefix_tree_v2"))
         chosen += picks(router, prompt, 3)
     assert set(chosen) == {"e000", "e001", "e002"}, "by load: every engine takes some"
     assert {router.pick(prompt, 1).policy for _ in range(3)} == {RoutingPolicy.LOAD_BALANCED}
     logged = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
     assert len(logged) == 2, logged
-    assert "'relative_load_weighted'" in logged[0] and "'free_capacity_weighted'" in logged[1]
+    assert "'weighted_prefix'" in logged[0] and "'prefix_tree_v2'" in logged[1]
     # Read: e000 and e001, then e002 (e000's rewrite keeps its value: not counted again).
     assert registry.get_sample_value("discovery_router_unknown_policy_total") == 3
 

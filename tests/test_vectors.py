@@ -20,6 +20,7 @@ from jsonschema import Draft202012Validator
 
 from discovery import Candidate, KeySpace, RecordDecodeError, record_schema
 from discovery._codec import _exact_record, _fast_record, _wire_decoder, encode
+from discovery._record import STORED
 from discovery.cli import main
 
 from .test_endpoint import megatron_from_dict
@@ -46,8 +47,6 @@ def test_discovery_schema_prints_the_committed_schema(capsys: pytest.CaptureFixt
 def test_the_schema_is_valid_draft_2020_12_and_follows_the_declaration() -> None:
     schema = record_schema()
     Draft202012Validator.check_schema(schema)
-    from discovery._record import STORED  # noqa: PLC0415 - the declaration itself
-
     names = [*schema["properties"]][3:]  # after coordinator_address, capabilities, engine_id
     assert names == [name for name, _ in STORED], "every declared field, in order"
     # Unknown keys are allowed everywhere: no object forbids them.
@@ -121,3 +120,4 @@ def test_a_vector_is_judged_alike_by_the_schema_and_both_decode_paths(path: Path
         read = megatron_from_dict(written, policies)["capabilities"]
         assert read == megatron_from_dict(value, policies)["capabilities"]
     assert Candidate(record).advertised == vector["routed_as"]
+
