@@ -120,4 +120,3 @@ def test_a_vector_is_judged_alike_by_the_schema_and_both_decode_paths(path: Path
         read = megatron_from_dict(written, policies)["capabilities"]
         assert read == megatron_from_dict(value, policies)["capabilities"]
     assert Candidate(record).advertised == vector["routed_as"]
-
