@@ -33,7 +33,7 @@ from discovery import (
 )
 from discovery.stand_in_engine import default_endpoint
 
-from .helpers import STAND_IN, Launcher, WatchLog, cli_env, get_kv, run_cli, wait_for
+from .helpers import STAND_IN, ChildLog, Launcher, WatchLog, cli_env, get_kv, run_cli, wait_for
 from .test_endpoint import MAIN_POLICIES, RELEASED_POLICIES, megatron_from_dict
 
 INVENTED = "weighted_prefix"  # invented: no Megatron has it (yet)
@@ -122,6 +122,41 @@ def test_the_library_registers_watches_and_routes_a_record_of_each_version(
             assert policy in listed.stdout
     finally:
         watch.stop()
+
+
+def test_watch_and_top_show_an_engine_with_a_policy_this_version_does_not_know(
+    settings: Settings,
+) -> None:
+    logs = {"watch": ChildLog(), "top": ChildLog()}
+    commands = {"watch": ["watch", "--format", "jsonl"], "top": ["top"]}
+    children = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "discovery", *commands[name]],
+            env=cli_env(settings),
+            stdout=logs[name].file,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+        for name in logs
+    }
+    try:
+        with register_engine(
+            MegatronEndpoint(megatron_value(INVENTED)), engine_id="new", settings=settings
+        ):
+            line = wait_for(
+                lambda: next((x for x in logs["watch"].read().splitlines() if '"new"' in x), None),
+                30,
+                "watch's line",
+            )
+            caps = json.loads(line)["endpoint"]["capabilities"]
+            assert caps["prefix_caching_coordinator_policy"] == INVENTED
+            wait_for(lambda: "added    new " in logs["top"].read(), 30, "top's line")
+    finally:
+        for child in children.values():
+            child.terminate()
+            child.wait(10)
+        for log in logs.values():
+            log.close()
 
 
 @pytest.mark.parametrize(("policy", "policies", "routed"), VERSIONS[::3], ids=IDS[::3])
