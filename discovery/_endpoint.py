@@ -176,7 +176,11 @@ class InferenceEngineCapabilities:
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> InferenceEngineCapabilities:
-        """Deserialize a capabilities mapping received across a process boundary."""
+        """Deserialize a capabilities mapping received across a process boundary.
+
+        A policy string this version does not know is kept as an ``UnknownValue`` (module
+        docs); any other problem raises what Megatron's ``from_dict`` raises.
+        """
         value = _require_mapping(value, "capabilities")
         policy = value.get("prefix_caching_coordinator_policy")
         return cls(

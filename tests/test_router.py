@@ -1116,7 +1116,7 @@ def test_docs_example_runs(block: str, expected: str, settings: Settings, monkey
 # -- requests with images ----------------------------------------------------------------
 
 
-def _no_hashing(monkeypatch) -> None:
+def no_hashing(monkeypatch) -> None:
     """Any hash of a prompt (every policy's and the pair's alone check) fails the test."""
 
     def refuse(*args, **kwargs):
@@ -1143,7 +1143,7 @@ def test_an_image_request_is_routed_by_load_and_never_hashed(policy: str, monkey
         cached = seed.engine_id
     assert set(picks(router, prompt, 8)) == {cached}, "text: cache affinity"
     index_before = {k: list(v) for k, v in prefix_index(router)._lru.items()}
-    _no_hashing(monkeypatch)
+    no_hashing(monkeypatch)
     chosen: Counter = Counter()
     held = [router.pick(prompt, 8, images=True, session_key="chat-1") for _ in range(8)]
     for handle in held:
