@@ -809,8 +809,9 @@ class Router:
         when the prompt is shorter than ``alone_below`` tokens or its relayed cache holds at
         least ``alone_share`` of the prompt's blocks, or when no pair can be made (see
         ``discovery._pairs``). Raises NoEngineAvailableError (naming why no pair can be
-        made) or OverloadedError as ``pick`` does. ``images``: as for ``pick``, both sides
-        by load (an aggregated engine serves it alone by length only, never by cache).
+        made) or OverloadedError as ``pick`` does. ``images``: as for ``pick``, the prefill
+        side by load (the decode side by ``decode_policy``, by load by default), and an
+        aggregated engine serves it alone by ``alone_below`` only, never by its cache.
         """
         if keep_prefill is not None and keep_decode is not None:
             raise ValueError("keep_prefill and keep_decode: keep at most one side")
