@@ -21,14 +21,10 @@ import msgspec
 import orjson
 from _common import LABELS, Target, make_endpoint, record_results, table_text, write_json
 
-from discovery import EngineRecord, InferenceEngineCapabilities, InferenceEngineEndpoint, KeySpace
-from discovery._codec import _exact_record, _wire_struct, encode
+from discovery import EngineRecord, InferenceEngineEndpoint, KeySpace
+from discovery._codec import _exact_record, _WireCapabilities, encode
 
 PASSES = 7
-
-
-# The codec's own Struct of the capabilities' fields and types.
-_WireCapabilities = _wire_struct(InferenceEngineCapabilities)
 
 
 class _WireValue(msgspec.Struct):

@@ -55,7 +55,7 @@ from ._policies import (
     SessionPolicy,
 )
 from ._port import EtcdPort
-from ._record import EngineRecord, EngineStatus
+from ._record import EngineRecord, EngineStatus, record_schema
 from ._registration import (
     Registration,
     RegistrationHealth,
@@ -73,6 +73,7 @@ from ._settings import Settings
 from ._signals import StopSignals, deregister_on_signals, drain_and_close
 from ._split import Split
 from ._store import EndpointEvent, EventType, RoutingSnapshot
+from ._unknown import UnknownValue
 from ._watcher import (
     EndpointWatcher,
     EngineListing,
@@ -154,6 +155,7 @@ __all__ = [
     "Settings",
     "Split",
     "StopSignals",
+    "UnknownValue",
     "WatcherHealth",
     "WatcherState",
     "__version__",
@@ -169,6 +171,7 @@ __all__ = [
     "launch",
     "list_engines",
     "pause",
+    "record_schema",
     "register_dynamic_engine",
     "register_engine",
     "resume",

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from ._endpoint import _FIELD_NAMES as CAPABILITY_FIELDS
-from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint
+from ._endpoint import InferenceEngineCapabilities, InferenceEngineEndpoint, read_policy
 from ._errors import InvalidRecordError, RecordDecodeError
 from ._record import (
     KNOWN_KEYS,
@@ -34,6 +34,7 @@ from ._record import (
     validate_engine_id,
     validate_namespace,
 )
+from ._unknown import UnknownValue
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -101,7 +102,14 @@ class KeySpace:
         return decode(key, value, self.engine_id(key))
 
 
-_encoder = msgspec.json.Encoder()
+def _plain(value: object) -> str:
+    """An ``UnknownValue`` (a str subclass, which msgspec does not take) as its text."""
+    if type(value) is UnknownValue:
+        return str(value)
+    raise NotImplementedError  # msgspec's TypeError naming the type
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_plain)
 
 
 def encode(record: EngineRecord) -> bytes:
@@ -124,12 +132,13 @@ def encode(record: EngineRecord) -> bytes:
     return data
 
 
-def _wire_struct(cls: type) -> type[msgspec.Struct]:
+def _wire_struct(cls: type, **wire: Any) -> type[msgspec.Struct]:
     """A msgspec Struct with the fields, types and defaults of dataclass ``cls``.
 
+    ``wire`` gives a field the JSON type msgspec checks instead of its Python type.
     Unknown fields are refused: such a value takes the exact path, which keeps them.
     """
-    hints = typing.get_type_hints(cls)
+    hints = {**typing.get_type_hints(cls), **wire}
     return msgspec.defstruct(
         f"_Wire{cls.__name__}",
         [
@@ -144,7 +153,11 @@ def _wire_struct(cls: type) -> type[msgspec.Struct]:
     )
 
 
-_capabilities_decoder = msgspec.json.Decoder(_wire_struct(InferenceEngineCapabilities))
+# The policy is any string on the wire: one this version does not know is kept (read_policy).
+_WireCapabilities = _wire_struct(
+    InferenceEngineCapabilities, prefix_caching_coordinator_policy=str | None
+)
+_capabilities_decoder = msgspec.json.Decoder(_WireCapabilities)
 _NULL = msgspec.Raw(b"null")
 
 _WireValue = msgspec.defstruct(
@@ -169,8 +182,10 @@ _shared_capabilities: dict[bytes, InferenceEngineCapabilities] = {}
 
 
 def _capabilities_of(raw: bytes) -> InferenceEngineCapabilities:
-    wire = _capabilities_decoder.decode(raw)  # types; the dataclass checks the ranges
-    return InferenceEngineCapabilities(*msgspec.structs.astuple(wire))
+    wire: Any = _capabilities_decoder.decode(raw)  # types; the dataclass checks the ranges
+    policy = read_policy(wire.prefix_caching_coordinator_policy)  # an unknown one is kept
+    values = msgspec.structs.replace(wire, prefix_caching_coordinator_policy=policy)
+    return InferenceEngineCapabilities(*msgspec.structs.astuple(values))
 
 
 def _shared(cache: dict[bytes, Any], build: Callable[[bytes], Any], raw: msgspec.Raw) -> Any:

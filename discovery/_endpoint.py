@@ -3,15 +3,24 @@
 Field names, order, defaults, validation and exception types follow
 ``megatron.core.inference.engine_endpoint`` exactly, so a value written by either
 side loads on the other. This module knows nothing about etcd.
+
+One deliberate difference: a ``prefix_caching_coordinator_policy`` this version does not
+know is kept (an ``UnknownValue``, written back unchanged) where Megatron's ``from_dict``
+raises ValueError. Megatron's enum differs between its versions (``round_robin`` in
+0.17/0.18/dev, ``load_balanced`` on main, perhaps another in the next), and each version's
+``from_dict`` reads the values it writes: a record must not be refused because this
+package is older or newer than the engine. Types and ranges stay as strict as Megatron's.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from operator import attrgetter
 from typing import Any, Protocol
+
+from ._unknown import UnknownValue, name_schema, tolerant_reader
 
 __all__ = [
     "InferenceEngineCapabilities",
@@ -21,14 +30,27 @@ __all__ = [
 
 
 class PrefixCachingCoordinatorPolicy(enum.StrEnum):
-    """How a router should place requests on the ranks of a prefix-caching engine."""
+    """How a router should place requests on the ranks of a prefix-caching engine.
+
+    Megatron's ``megatron.core.inference.config.PrefixCachingCoordinatorPolicy`` of every
+    version named here: main (d98e8a64) has ``longest_prefix``, ``first_prefix_block``
+    and ``load_balanced``, default ``load_balanced`` (since bcf4c8fb, which replaced
+    ``round_robin``); core_r0.17.0 (432585d5), core_r0.18.0 (dc0ee41a) and dev (d48bd6be)
+    have ``longest_prefix``, ``first_prefix_block`` and ``round_robin``, default
+    ``first_prefix_block``; open PR 6668 (457d3b0a) keeps main's values and moves the default
+    to ``longest_prefix``. A value outside this enum (a later version's) is read as an
+    ``UnknownValue`` and kept.
+    """
 
     LONGEST_PREFIX = "longest_prefix"
     """Route to the rank with the longest consecutive prefix match."""
     FIRST_PREFIX_BLOCK = "first_prefix_block"
-    """Route to the rank that has the first block hash cached (Megatron's default)."""
+    """Route to the rank that has the first block hash cached (the default of 0.17/0.18/dev)."""
     LOAD_BALANCED = "load_balanced"
-    """Route to the rank with the fewest in-flight requests, ignoring prefix affinity."""
+    """Route to the rank with the fewest in-flight requests, ignoring prefix affinity (the
+    default on main since bcf4c8fb)."""
+    ROUND_ROBIN = "round_robin"
+    """Route to the ranks in turn (0.17/0.18/dev; main replaced it by ``load_balanced``)."""
 
 
 class DynamicEngineLike(Protocol):
@@ -75,8 +97,10 @@ class InferenceEngineCapabilities:
     bos_token_id: int
     enable_prefix_caching: bool
     logical_data_parallel_size: int = 1
-    prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy | None = None
-    """Routing policy for client-side hashing; None supports older endpoint records."""
+    prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy | str | None = None
+    """Routing policy for client-side hashing; None supports older endpoint records. A
+    value this version does not know, read from a mapping or an engine, is an
+    ``UnknownValue`` (a ``str``)."""
 
     def __post_init__(self) -> None:
         """Validate types first, then ranges, with Megatron's exception types."""
@@ -105,7 +129,11 @@ class InferenceEngineCapabilities:
         if type(self.enable_prefix_caching) is not bool:
             raise TypeError("enable_prefix_caching must be a boolean")
         policy = self.prefix_caching_coordinator_policy
-        if policy is not None and type(policy) is not PrefixCachingCoordinatorPolicy:
+        if (
+            policy is not None
+            and type(policy) is not PrefixCachingCoordinatorPolicy
+            and type(policy) is not UnknownValue
+        ):
             raise TypeError("prefix_caching_coordinator_policy must be a routing policy")
         if not (
             context_length > 0
@@ -148,7 +176,11 @@ class InferenceEngineCapabilities:
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> InferenceEngineCapabilities:
-        """Deserialize a capabilities mapping received across a process boundary."""
+        """Deserialize a capabilities mapping received across a process boundary.
+
+        A policy string this version does not know is kept as an ``UnknownValue`` (module
+        docs); any other problem raises what Megatron's ``from_dict`` raises.
+        """
         value = _require_mapping(value, "capabilities")
         policy = value.get("prefix_caching_coordinator_policy")
         return cls(
@@ -160,7 +192,7 @@ class InferenceEngineCapabilities:
             bos_token_id=value["bos_token_id"],
             enable_prefix_caching=value["enable_prefix_caching"],
             logical_data_parallel_size=value.get("logical_data_parallel_size", 1),
-            prefix_caching_coordinator_policy=_parse_policy(policy),
+            prefix_caching_coordinator_policy=read_policy(policy),
         )
 
     def to_dict(self) -> dict[str, int | bool | str | None]:
@@ -170,20 +202,54 @@ class InferenceEngineCapabilities:
 
 _FIELD_NAMES = tuple(f.name for f in fields(InferenceEngineCapabilities))
 _field_values = attrgetter(*_FIELD_NAMES)
+_POLICY = "prefix_caching_coordinator_policy"
+_read_policy, _ = tolerant_reader(PrefixCachingCoordinatorPolicy, _POLICY)
 
 
-def _parse_policy(policy: object) -> PrefixCachingCoordinatorPolicy | None:
-    # An unknown value, of any type, raises ValueError from the enum lookup.
-    return None if policy is None else PrefixCachingCoordinatorPolicy(policy)  # type: ignore[arg-type]
+def capabilities_schema() -> dict[str, Any]:
+    """The JSON Schema of ``to_dict()``, from the fields and Megatron's checks above.
+
+    Keys it does not name are allowed (a newer Megatron's): readers keep them.
+    """
+    properties: dict[str, Any] = {}
+    for field in fields(InferenceEngineCapabilities):
+        if field.name == _POLICY:
+            properties[_POLICY] = {
+                **name_schema(PrefixCachingCoordinatorPolicy),
+                "type": ["string", "null"],
+            }
+        elif field.name in _INTEGER_FIELDS:
+            least = 1 if field.name in _POSITIVE_FIELDS else _LEAST.get(field.name)
+            properties[field.name] = {"type": "integer"} | (
+                {} if least is None else {"minimum": least}
+            )
+        else:
+            properties[field.name] = {"type": "boolean"}
+    required = [f.name for f in fields(InferenceEngineCapabilities) if f.default is MISSING]
+    return {"type": "object", "required": required, "properties": properties}
 
 
-def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | None:
+_LEAST = {"total_kv_blocks": 0}  # bos_token_id: no range check
+
+
+def read_policy(policy: object) -> PrefixCachingCoordinatorPolicy | str | None:
+    """A policy read from a mapping or an engine: a member, an ``UnknownValue``, or None.
+
+    A string this version does not know is kept (1 to 64 printable characters); any other
+    type, or an unprintable string, raises ValueError as Megatron's enum lookup does.
+    """
+    if policy is None:
+        return None
+    if isinstance(policy, enum.Enum) and type(policy) is not PrefixCachingCoordinatorPolicy:
+        policy = policy.value  # Megatron's own member: its value, whatever its version
+    return _read_policy(policy)
+
+
+def _engine_policy(context: Any) -> PrefixCachingCoordinatorPolicy | str | None:
     # Megatron's inference config has the field since March 2026; before, no policy.
-    policy = getattr(getattr(context, "config", None), "prefix_caching_coordinator_policy", None)
-    if policy is None or isinstance(policy, PrefixCachingCoordinatorPolicy):
-        return policy
-    # Megatron's own enum member: same values, a different class.
-    return PrefixCachingCoordinatorPolicy(getattr(policy, "value", policy))
+    return read_policy(
+        getattr(getattr(context, "config", None), "prefix_caching_coordinator_policy", None)
+    )
 
 
 @dataclass(frozen=True)

@@ -355,12 +355,20 @@ class FleetClient:
 
         ``prompt_tokens``: the prompt's token ids, for affinity, when ``prompt`` is text
         (a token list is its own). ``session_key``, ``selector``, ``wait``, ``priority``:
-        the pick's (``Router.pick``). Cancelling the future aborts the request.
+        the pick's (``Router.pick``). With ``multi_modal_data`` (images) the request is
+        routed by load alone, as Megatron routes it (``Router.pick(images=True)``).
+        Cancelling the future aborts the request.
         """
         route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
-        if session_key is None and selector is None and type(priority) is int and priority == 0:
+        if (
+            session_key is None
+            and selector is None
+            and multi_modal_data is None
+            and type(priority) is int
+            and priority == 0
+        ):
             return _Request(self, route, _NO_OPTIONS, wait)
-        options = {"session_key": session_key, "selector": selector, "priority": priority}
+        options = self._options(session_key, selector, priority, multi_modal_data)
         return _Request(self, route, options, wait)
 
     def add_request_streaming(
@@ -380,8 +388,23 @@ class FleetClient:
         Closing the iterator before the end aborts the request.
         """
         route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
-        options = {"session_key": session_key, "selector": selector, "priority": priority}
+        options = self._options(session_key, selector, priority, multi_modal_data)
         return self._stream(route, options, wait)
+
+    @staticmethod
+    def _options(
+        session_key: str | bytes | int | None,
+        selector: Mapping[str, str] | None,
+        priority: int,
+        multi_modal_data: Any,
+    ) -> dict[str, Any]:
+        """The pick's options; a request with images is routed by load alone (``images``)."""
+        return {
+            "session_key": session_key,
+            "selector": selector,
+            "priority": priority,
+            "images": multi_modal_data is not None,
+        }
 
     def _route(
         self,
@@ -422,6 +445,7 @@ class FleetClient:
             "session_key": options["session_key"],
             "selector": options["selector"],
             "priority": options["priority"],
+            "images": options["images"],
         }
         try:  # at once when there is room: a pair pick waits in a thread, not on the loop
             return pick(route.tokens, route.max_tokens, wait=0, **arguments)
@@ -459,6 +483,7 @@ class FleetClient:
             wait=wait,
             priority=options["priority"],
             session_key=options["session_key"],
+            images=options["images"],
         )
         return router._pick_now(ask, timeout, listener)
 
@@ -955,7 +980,7 @@ class _Route(NamedTuple):
 
 
 _NO_OPTIONS: Mapping[str, Any] = MappingProxyType(
-    {"session_key": None, "selector": None, "priority": 0}
+    {"session_key": None, "selector": None, "priority": 0, "images": False}
 )
 """A request's pick options when it gives none (``Router._plain_ask``'s case)."""
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 from ._endpoint import InferenceEngineEndpoint
 from ._errors import InvalidRecordError
+from ._unknown import UnknownValue, name_schema, read_unknown, tolerant_reader
 
 __all__ = [
     "EngineRole",
@@ -38,13 +39,6 @@ __all__ = [
 ]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-_MAX_UNKNOWN = 64  # characters of a value this version does not know
-
-
-class UnknownValue(str):
-    """A value this version does not know, kept as it was read (from etcd or an engine)."""
-
-    __slots__ = ()
 
 
 class EngineRole(enum.StrEnum):
@@ -67,44 +61,14 @@ class KvTransferBackend(enum.StrEnum):
     """Two-sided sends and receives inside one torch.distributed process group."""
 
 
-_Known = TypeVar("_Known", bound=enum.StrEnum)
-
-
 def _normal_backend(value: str) -> str:
     return value.lower().replace("_", "-")  # as Megatron's backend registry reads a name
 
 
-def _reader(
-    kind: type[_Known], what: str, normal: Callable[[str], str] = str
-) -> tuple[Callable[[object], _Known | str], Callable[[object], _Known | str]]:
-    """(read, check) for a string enum: ``read`` keeps an unknown string, ``check`` refuses it.
-
-    Both take a member, an ``UnknownValue`` (kept) or a string naming a member; ``read``
-    is for what etcd or an engine says, ``check`` for what a user gives.
-    """
-    members = {member.value: member for member in kind}
-    names = ", ".join(members)
-
-    def read(value: object) -> _Known | str:
-        if type(value) is kind or type(value) is UnknownValue:
-            return value  # a member, or a value read before and kept
-        if not isinstance(value, str):
-            raise InvalidRecordError(f"{what} must be a string, not {value!r}"[:200])
-        known = members.get(normal(value))
-        return read_unknown(value, what) if known is None else known
-
-    def check(value: object) -> _Known | str:
-        if type(value) is UnknownValue:
-            return value  # read earlier, kept
-        if isinstance(value, str) and normal(value) in members:
-            return members[normal(value)]
-        raise InvalidRecordError(f"{what} {value!r} is not one of {names}")
-
-    return read, check
-
-
-read_role, validate_role = _reader(EngineRole, "role")
-read_backend, validate_backend = _reader(KvTransferBackend, "kv_transfer_backend", _normal_backend)
+read_role, validate_role = tolerant_reader(EngineRole, "role")
+read_backend, validate_backend = tolerant_reader(
+    KvTransferBackend, "kv_transfer_backend", _normal_backend
+)
 
 KV_DTYPES = ("bfloat16", "float16", "float32")
 """The KV cache's dtypes: Megatron allocates it in the model's ``params_dtype``."""
@@ -201,6 +165,17 @@ _REQUIRED = tuple(
 )
 _INTEGERS = tuple(name for name in _NAMES if name != "dtype")
 _MAY_BE_ZERO = ("num_ssm_layers_global", "num_speculative_tokens")
+LAYOUT_SCHEMA = {
+    "type": "object",
+    "required": list(_REQUIRED),
+    "properties": {
+        name: name_schema(KV_DTYPES)
+        if name == "dtype"
+        else {"type": "integer", "minimum": 0 if name in _MAY_BE_ZERO else 1}
+        for name in _NAMES
+    },
+}
+"""The JSON Schema of a stored ``kv_layout`` (other keys are kept, and must match)."""
 
 
 def validate_layout(value: object) -> KvLayout | None:
@@ -208,16 +183,6 @@ def validate_layout(value: object) -> KvLayout | None:
     if value is None or isinstance(value, KvLayout):
         return value
     raise InvalidRecordError(f"kv_layout must be a KvLayout, not {type(value).__name__}")
-
-
-def read_unknown(value: str, what: str) -> UnknownValue:
-    """``value`` kept as an ``UnknownValue``, if it is a short printable name."""
-    if len(value) > _MAX_UNKNOWN or not value.isprintable():
-        raise InvalidRecordError(
-            f"{what} {value[:_MAX_UNKNOWN]!r} is not a name: at most {_MAX_UNKNOWN} printable "
-            "characters"
-        )
-    return UnknownValue(value)
 
 
 # -- the rule ----------------------------------------------------------------------------

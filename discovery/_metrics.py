@@ -130,6 +130,10 @@ class MetricsHooks(Protocol):
         """A pick found no engine."""
         return None
 
+    def unknown_policy(self) -> None:
+        """A router read an engine record whose policy this version does not know."""
+        return None
+
     def request_failed(self, outcome: str) -> None:
         """A routed request failed; what fencing did: ``fenced``, ``limited`` or ``""``."""
         return None
@@ -283,6 +287,12 @@ class Metrics(MetricsHooks):
         # routing
         self._picks = counter(
             "discovery_router_picks_total", "Engines picked, by the policy that chose.", ("policy",)
+        )
+        self._unknown_policies = counter(
+            "discovery_router_unknown_policy_total",
+            "Engine records a router read advertising a prefix_caching_coordinator_policy "
+            "this version does not know (auto routes them as load_balanced; each value is "
+            "logged once).",
         )
         self._no_fit = counter(
             "discovery_router_no_engine_total", "Picks that found no engine passing the filters."
@@ -444,6 +454,10 @@ class Metrics(MetricsHooks):
     def no_engine(self) -> None:
         """Count a pick that found no engine."""
         self._no_fit.inc()
+
+    def unknown_policy(self) -> None:
+        """Count an engine record advertising a policy this version does not know."""
+        self._unknown_policies.inc()
 
     def overloaded(self) -> None:
         """Count a pick refused for want of room (admission)."""

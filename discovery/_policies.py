@@ -79,6 +79,7 @@ from operator import attrgetter
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ._blockhash import LazyBlockHashes
+from ._endpoint import PrefixCachingCoordinatorPolicy
 from ._record import EngineRecord
 from ._selector import Selector
 
@@ -136,6 +137,18 @@ class RoutingPolicy(enum.StrEnum):
     load-balanced). A pick with a key is routed so whatever the router's policy."""
     AUTO = "auto"
     """What the candidates advertise in ``prefix_caching_coordinator_policy``."""
+
+
+_ADVERTISED: dict[object, RoutingPolicy] = {
+    policy.value: RoutingPolicy(policy.value) for policy in PrefixCachingCoordinatorPolicy
+}
+"""Megatron's policies (every version's) by value: the built-in policy each one asks for."""
+
+
+def unknown_policy(record: EngineRecord) -> str | None:
+    """The record's ``prefix_caching_coordinator_policy`` if this version does not know it."""
+    policy = record.endpoint.capabilities.prefix_caching_coordinator_policy
+    return None if policy is None or policy in _ADVERTISED else str(policy)
 
 
 # -- hashing ---------------------------------------------------------------------------
@@ -239,8 +252,8 @@ class Candidate:
         self.capacity = caps.max_num_seqs * caps.logical_data_parallel_size
         policy = caps.prefix_caching_coordinator_policy
         self.advertised = (
-            RoutingPolicy(policy.value)
-            if caps.enable_prefix_caching and policy is not None
+            _ADVERTISED.get(policy, RoutingPolicy.LOAD_BALANCED)  # an unknown one: by load
+            if caps.enable_prefix_caching
             else RoutingPolicy.LOAD_BALANCED
         )
         self._rescore()

@@ -27,9 +27,10 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from ._endpoint import _FIELD_NAMES as CAPABILITY_FIELDS
-from ._endpoint import InferenceEngineEndpoint, _set
+from ._endpoint import InferenceEngineEndpoint, _set, capabilities_schema
 from ._errors import InvalidRecordError
 from ._handoff import (
+    LAYOUT_SCHEMA,
     EngineRole,
     KvLayout,
     KvTransferBackend,
@@ -39,9 +40,17 @@ from ._handoff import (
     validate_layout,
     validate_role,
 )
-from ._selector import SelectorLike, selector_of, validate_labels
+from ._selector import LABELS_SCHEMA, SelectorLike, selector_of, validate_labels
+from ._unknown import name_schema
 
-__all__ = ["EndpointLike", "EngineRecord", "EngineStatus", "RecordView", "endpoint_parts"]
+__all__ = [
+    "EndpointLike",
+    "EngineRecord",
+    "EngineStatus",
+    "RecordView",
+    "endpoint_parts",
+    "record_schema",
+]
 
 _NAME = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,128}")  # and not only dots
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -173,11 +182,13 @@ class Form(NamedTuple):
     """The field's value -> its JSON value."""
     check: Callable[[Any], Any]
     """A value given in Python -> the value kept; raises InvalidRecordError naming it."""
+    schema: Mapping[str, Any]
+    """Its JSON Schema (``record_schema``; a stored null means absent, whatever the form)."""
     shared: bool = False
     """Decoded once per distinct JSON text, the instance shared by every record using it."""
 
 
-LABELS = Form(Any, validate_labels, dict, validate_labels, shared=True)
+LABELS = Form(Any, validate_labels, dict, validate_labels, LABELS_SCHEMA, shared=True)
 _STATUSES: dict[object, EngineStatus] = {
     None: EngineStatus.READY,
     **{s.value: s for s in EngineStatus},
@@ -192,7 +203,9 @@ def _load_status(value: object) -> EngineStatus:
         return validate_status(value)
 
 
-STATUS = Form(str | None, _load_status, str, validate_status)
+STATUS = Form(
+    str | None, _load_status, str, validate_status, {"enum": [s.value for s in EngineStatus]}
+)
 
 
 def _load_role(value: object) -> EngineRole | str:
@@ -204,7 +217,7 @@ def _check_role(value: object) -> EngineRole | str:
     return EngineRole.AGGREGATED if value is None else validate_role(value)
 
 
-ROLE = Form(str | None, _load_role, str, _check_role)
+ROLE = Form(str | None, _load_role, str, _check_role, name_schema(EngineRole))
 
 
 def _optional(check: Callable[[object], Any]) -> Callable[[object], Any]:
@@ -212,13 +225,32 @@ def _optional(check: Callable[[object], Any]) -> Callable[[object], Any]:
     return lambda value: None if value is None else check(value)
 
 
-BACKEND = Form(str | None, _optional(read_backend), str, _optional(validate_backend))
+BACKEND = Form(
+    str | None,
+    _optional(read_backend),
+    str,
+    _optional(validate_backend),
+    name_schema(KvTransferBackend),
+)
 
 
-LAYOUT = Form(Any, _optional(KvLayout.from_dict), KvLayout.to_dict, validate_layout, shared=True)
+LAYOUT = Form(
+    Any,
+    _optional(KvLayout.from_dict),
+    KvLayout.to_dict,
+    validate_layout,
+    LAYOUT_SCHEMA,
+    shared=True,
+)
 
 
-WEIGHT_VERSION = Form(int | None, validate_weight_version, int, validate_weight_version)
+WEIGHT_VERSION = Form(
+    int | None,
+    validate_weight_version,
+    int,
+    validate_weight_version,
+    {"type": "integer", "minimum": 0, "maximum": MAX_WEIGHT_VERSION},
+)
 
 
 def _time(name: str, *, aware: bool) -> Form:
@@ -240,7 +272,7 @@ def _time(name: str, *, aware: bool) -> Form:
             )
         return check(datetime.fromisoformat(text))  # its ValueError names the text
 
-    return Form(str | None, load, format_time, check)
+    return Form(str | None, load, format_time, check, {"type": "string"})
 
 
 class Column(NamedTuple):
@@ -352,7 +384,13 @@ class EngineRecord:
         column=Column("VERSION", _version_cell, lead=True),
     )
     state_address: str | None = _stored(
-        form=Form(str | None, _checked_address, str, _checked_address),
+        form=Form(
+            str | None,
+            _checked_address,
+            str,
+            _checked_address,
+            {"type": "string", "pattern": "^tcp://", "maxLength": 256},
+        ),
         json="string",
         doc="where the engine's launcher relays its live state (cached blocks, load) over "
         "ZeroMQ, `tcp://HOST:PORT`; read by routers' `EngineStates`",
@@ -504,9 +542,48 @@ COLUMNS = tuple(stored.column for _, stored in STORED if stored.column is not No
 def field_table() -> str:
     """The table of the stored metadata, rendered from the declaration (the site's page)."""
     rows = ["| key | JSON | meaning |", "|---|---|---|"]
-    rows.append("| `engine_id` | string | the engine id; when absent, the one the key names |")
+    rows.append(f"| `engine_id` | string | {_ENGINE_ID_DOC} |")
     rows.extend(f"| `{name}` | {s.json} | {s.doc} |" for name, s in STORED)
     return "\n".join(rows)
+
+
+_ENGINE_ID_DOC = "the engine id; when absent, the one the key names"
+
+
+def record_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a stored value, from the record's declaration.
+
+    Megatron's ``to_dict()`` (``capabilities_schema``), ``engine_id``, and every declared
+    field by its form's schema (null allowed: a stored null means absent). Every object
+    allows keys it does not name: a reader keeps them (docs/record.md).
+    """
+    metadata = {
+        name: {"description": stored.doc, **_or_null(stored.form.schema)} for name, stored in STORED
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "discovery engine record",
+        "description": "The value of {root}/{namespace}/engines/{engine_id}: Megatron-Core's "
+        "InferenceEngineEndpoint.to_dict() plus top-level metadata (docs/record.md).",
+        "type": "object",
+        "required": list(ENDPOINT_KEYS),
+        "properties": {
+            "coordinator_address": {"type": "string", "minLength": 1},
+            "capabilities": capabilities_schema(),
+            "engine_id": {
+                "description": _ENGINE_ID_DOC,
+                "type": "string",
+                "pattern": f"^{_NAME.pattern}$",
+            },
+            **metadata,
+        },
+    }
+
+
+def _or_null(schema: Mapping[str, Any]) -> dict[str, Any]:
+    if "enum" in schema:
+        return {**schema, "enum": [*schema["enum"], None]}
+    return {**schema, "type": [schema["type"], "null"]}
 
 
 class EndpointLike(Protocol):
@@ -544,12 +621,6 @@ def endpoint_from_dict(
     if not isinstance(value, Mapping):
         raise InvalidRecordError(f"{what} is a {type(value).__name__}, not a mapping")
     capabilities = value.get("capabilities")
-    if isinstance(capabilities, Mapping):
-        # Megatron's own enum member: same values, a different class.
-        policy = capabilities.get("prefix_caching_coordinator_policy")
-        if isinstance(policy, enum.Enum):
-            capabilities = {**capabilities, "prefix_caching_coordinator_policy": policy.value}
-        value = {**value, "capabilities": capabilities}
     try:
         endpoint = InferenceEngineEndpoint.from_dict(value)
     except KeyError as exc:

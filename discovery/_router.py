@@ -134,6 +134,7 @@ from ._policies import (
     RoutingPolicy,
     SessionPolicy,
     session_hash,
+    unknown_policy,
 )
 from ._protection import DEFAULT_GRACE, DEFAULT_THRESHOLD, DEFAULT_WINDOW, LossProtection
 from ._record import EngineRecord, EngineStatus, RecordView, validate_status
@@ -222,6 +223,8 @@ class _Ask(NamedTuple):
     """Groups to draw one from before choosing (``split=``); None once drawn, or none."""
     group: str | None = None
     """The split's group drawn (its selector's text), added to ``selector``."""
+    images: bool = False
+    """The request carries images: routed by load alone (``policy``), nothing hashed."""
 
 
 @dataclass(frozen=True)
@@ -619,6 +622,7 @@ class Router:
         engine_id: str | None = None,
         fallback: bool = False,
         split: Split | Mapping[SelectorLike, float] | None = None,
+        images: bool = False,
     ) -> PickHandle:
         """Choose an engine for a request of ``prompt_tokens`` generating up to ``max_tokens``.
 
@@ -636,7 +640,12 @@ class Router:
         router sends a key to the same engine among the candidates (rendezvous hashing,
         under the load bound), whatever the router's policy. ``engine_id``: this engine
         only, if it is a candidate; else NotACandidateError says why (``fallback=True``:
-        an ordinary pick instead). Returns a held PickHandle; raises
+        an ordinary pick instead). ``images``: the request carries images, which a Megatron
+        engine never prefix-caches (881f489f): it is routed as Megatron's coordinator
+        routes it, by load alone (``load_balanced``, under every filter, fencing and
+        admission), whatever the router's policy; nothing is hashed, no prefix index
+        learns from it, and ``session_key`` and ``block_hashes`` are not used. Returns a
+        held PickHandle; raises
         NoEngineAvailableError when no engine passes the filters, OverloadedError when none
         had room in time.
         """
@@ -655,6 +664,7 @@ class Router:
             engine_id=engine_id,
             fallback=fallback,
             split=split,
+            images=images,
         )
         return self._pick_ask(ask, timeout)
 
@@ -707,6 +717,7 @@ class Router:
         engine_id: str | None = None,
         fallback: bool = False,
         split: Split | Mapping[SelectorLike, float] | None = None,
+        images: bool = False,
     ) -> PickHandle:
         """``pick`` for asyncio: waits for room without blocking the event loop.
 
@@ -728,6 +739,7 @@ class Router:
             engine_id=engine_id,
             fallback=fallback,
             split=split,
+            images=images,
         )
         with self._lock:
             ask, handle = self._first_try_locked(ask, timeout)
@@ -779,6 +791,7 @@ class Router:
         alone_share: float | None = DEFAULT_ALONE_SHARE,
         wait: float | None = None,
         priority: int = 0,
+        images: bool = False,
     ) -> PickPair:
         """Choose a prefill and a decode engine that can hand off, for one request.
 
@@ -796,7 +809,9 @@ class Router:
         when the prompt is shorter than ``alone_below`` tokens or its relayed cache holds at
         least ``alone_share`` of the prompt's blocks, or when no pair can be made (see
         ``discovery._pairs``). Raises NoEngineAvailableError (naming why no pair can be
-        made) or OverloadedError as ``pick`` does.
+        made) or OverloadedError as ``pick`` does. ``images``: as for ``pick``, the prefill
+        side by load (the decode side by ``decode_policy``, by load by default), and an
+        aggregated engine serves it alone by ``alone_below`` only, never by its cache.
         """
         if keep_prefill is not None and keep_decode is not None:
             raise ValueError("keep_prefill and keep_decode: keep at most one side")
@@ -815,6 +830,7 @@ class Router:
             wait=wait,
             priority=priority,
             session_key=session_key,
+            images=images,
         )
         deadline = time.monotonic() + timeout
         decoding = self._policy_instance(decode_policy)
@@ -974,8 +990,8 @@ class Router:
         if (below is None and share is None) or (below is not None and length < below):
             return alone
         states = self._states
-        if share is None or states is None:
-            return None
+        if share is None or states is None or ask.images:
+            return None  # an image request is cached nowhere
         best, held = None, 0.0
         for engine in engines:
             blocks = length // engine.block_size
@@ -1141,6 +1157,7 @@ class Router:
         engine_id: str | None = None,
         fallback: bool = False,
         split: Split | Mapping[SelectorLike, float] | None = None,
+        images: bool = False,
     ) -> tuple[_Ask, float]:
         """The pick's arguments, checked, and how long it may wait for room."""
         # type() is: the common case costs one comparison (bool is an int subclass: refused)
@@ -1174,7 +1191,9 @@ class Router:
             admit, timeout = True, wait
         else:
             raise ValueError(f"wait must be >= 0 seconds and finite, got {wait!r}")
-        session = None if session_key is None else session_hash(session_key)
+        session = None if session_key is None or images else session_hash(session_key)
+        if images:
+            block_hashes = None  # nothing of the prompt is used: no cache will hold it
         if engine_id is not None and not isinstance(engine_id, str):
             raise TypeError(f"engine_id must be a string, not {type(engine_id).__name__}")
         ask = _Ask(
@@ -1191,6 +1210,8 @@ class Router:
             fallback,
             ALONE,
             split=self._split if split is None else split_of(split),
+            policy=self._builtins[RoutingPolicy.LOAD_BALANCED] if images else None,
+            images=images,
         )
         return ask, timeout
 
@@ -1628,9 +1649,11 @@ class Router:
                 engine = Candidate(record)
                 if self._states is not None:
                     engine._set_others(*self._share(engine_id))
+                self._note_policy_locked(record, None)
             elif engine.record is not record:
                 if record.endpoint.capabilities.kv_cache_block_size != engine.block_size:
                     self._forget_locked(engine_id)  # its hashes no longer describe its blocks
+                self._note_policy_locked(record, engine.record)
                 engine._update(record)  # keeps its in-flight count
             engines[engine_id] = engine
         for engine_id, engine in self._protection.kept():
@@ -1650,6 +1673,20 @@ class Router:
         self._min_context = ordered[-1].context_length if ordered else 0
         self._pools.clear()
         self._snapshot = snapshot
+
+    def _note_policy_locked(self, record: EngineRecord, before: EngineRecord | None) -> None:
+        """Log (once per value) and count an engine advertising a policy we do not know."""
+        unknown = unknown_policy(record)
+        if unknown is None or (before is not None and unknown_policy(before) == unknown):
+            return
+        self._metrics.unknown_policy()
+        self._warn_once(
+            ("policy", unknown),
+            "engine %s advertises prefix_caching_coordinator_policy %r, which this version "
+            "does not know: auto routes it as load_balanced (logged once per value)",
+            record.engine_id,
+            unknown,
+        )
 
     def _share(self, engine_id: str) -> tuple[int, int, int]:
         """What other routers hold, how many report, our rank (0, 1, 0 without state)."""
@@ -1929,7 +1966,7 @@ class Router:
         groups: dict[str, int] = {}
         for e in engines:
             name = e.advertised.value
-            if e.advertised is not RoutingPolicy.LOAD_BALANCED:
+            if e.advertised in _CACHE_AFFINE:
                 name += f" ({e.block_size}-token blocks)"
             groups[name] = groups.get(name, 0) + 1
         if len(groups) == 1:

@@ -50,6 +50,14 @@ _NO_LABELS: Mapping[str, str] = MappingProxyType({})
 
 # -- the label rules (records and selectors) ---------------------------------------------
 
+LABELS_SCHEMA = {
+    "type": "object",
+    "maxProperties": _MAX_LABELS,
+    "propertyNames": {"pattern": f"^{_LABEL_KEY.pattern}$"},
+    "additionalProperties": {"type": "string", "maxLength": _MAX_LABEL_VALUE},
+}
+"""The JSON Schema of a record's labels (values must also be printable)."""
+
 
 def _bad_value(value: str) -> bool:
     return len(value) > _MAX_LABEL_VALUE or not value.isprintable()

@@ -3,7 +3,7 @@ r"""A stand-in for Megatron's rank zero, for the demo and the tests: no model, s
     python -m discovery.stand_in_engine --dynamo-parent-event-address tcp://HOST:PORT \
         [--ready JSON] [--ready-shape flat|nested] [--role ROLE] [--version V] \
         [--kv-events N] [--kv-rate R] [--no-progress] [--truth FILE] [--exit-status N] \
-        [--serve-port P [--serve-host H]] [--max-num-seqs N] \
+        [--serve-port P [--serve-host H]] [--max-num-seqs N] [--policy NAME] \
         [--coordinator-port P [--coordinator-host H] [--token-delay S]]
 
 It does on the wire exactly what Megatron's ``EngineEventReporter`` does
@@ -31,7 +31,9 @@ after S seconds (the request's own length, at most 60), and the ready payload's
 What a client sees is what it would see of a real engine: a dead process refuses the
 connection, a frozen one (SIGSTOP) accepts it (the kernel does) and never answers.
 ``GET /stats`` says how many requests run now and the most that ever ran at once;
-``--max-num-seqs N`` is the capacity its ready payload declares.
+``--max-num-seqs N`` is the capacity its ready payload declares, ``--policy NAME`` the
+``prefix_caching_coordinator_policy`` of its flat payload (any string, as a Megatron of
+another version would send: ``round_robin`` from 0.17/0.18/dev).
 
 ``--coordinator-port P`` (0: a free port; not with ``--serve-port``) makes it speak
 Megatron's coordinator protocol instead, to Megatron's ``InferenceClient`` or
@@ -214,6 +216,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve-host", default="127.0.0.1", help="the request port's address")
     _coordinator_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, help="the capacity the ready payload says")
+    parser.add_argument(
+        "--policy",
+        help="the flat ready payload's prefix_caching_coordinator_policy, any string "
+        "(Megatron 0.17/0.18/dev send round_robin, main load_balanced)",
+    )
     return parser
 
 
@@ -376,6 +383,8 @@ class _StandIn:
         seqs = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
         endpoint = default_endpoint(address or "tcp://127.0.0.1:5555", **seqs)
         caps = endpoint["capabilities"]
+        if args.policy is not None:
+            caps["prefix_caching_coordinator_policy"] = args.policy  # sent as given
         self._cache = StandInCache(caps["total_kv_blocks"], caps["kv_cache_block_size"])
         self._rng = random.Random(args.seed)
         if args.ready is not None:

@@ -180,6 +180,7 @@ OFF_DASHBOARD = {
     "discovery_revoke_duration_seconds_bucket",
     "discovery_revoke_duration_seconds_count",
     "discovery_revoke_duration_seconds_sum",
+    "discovery_router_unknown_policy_total",  # rare; the router logs each value once
     "discovery_watcher_apply_duration_seconds_count",
     "discovery_watcher_apply_duration_seconds_sum",
     "discovery_watcher_relists_total",

@@ -39,6 +39,8 @@ INTENDED = {
     "DEFAULT_ROOT",
     "DEFAULT_NAMESPACE",
     "MAX_VALUE_BYTES",
+    "record_schema",
+    "UnknownValue",
     # prefill/decode hand-off: what the record says, and which pairs can hand off
     "EngineRole",
     "KvTransferBackend",

@@ -23,6 +23,7 @@ from discovery import (
     InferenceEngineEndpoint,
     KeySpace,
     PrefixCachingCoordinatorPolicy,
+    UnknownValue,
 )
 from discovery._codec import encode
 
@@ -37,6 +38,7 @@ POLICY_VALUES = {
     "LONGEST_PREFIX": "longest_prefix",
     "FIRST_PREFIX_BLOCK": "first_prefix_block",
     "LOAD_BALANCED": "load_balanced",
+    "ROUND_ROBIN": "round_robin",
 }
 ALL_POLICIES = [*Policy, None]
 ADDRESS = "tcp://10.0.0.1:5555"
@@ -58,7 +60,9 @@ def endpoint_dict(**cap_overrides: Any) -> dict[str, Any]:
 # --- PrefixCachingCoordinatorPolicy ------------------------------------------------------
 
 
-def test_policy_has_exactly_the_three_megatron_members() -> None:
+def test_policy_has_the_members_of_every_megatron_version() -> None:
+    # main (d98e8a64): the first three; core_r0.17.0, core_r0.18.0, dev: round_robin for
+    # load_balanced (bcf4c8fb replaced it).
     assert {m.name: m.value for m in Policy} == POLICY_VALUES
 
 
@@ -250,9 +254,25 @@ def test_from_dict_converts_every_policy_value_string(policy: Policy) -> None:
     assert caps.prefix_caching_coordinator_policy is policy
 
 
-@pytest.mark.parametrize("bad", ["round_robin", "LONGEST_PREFIX", "", "Load_Balanced", 1])
-def test_from_dict_unknown_policy_raises_value_error(bad: object) -> None:
-    with pytest.raises(ValueError, match="PrefixCachingCoordinatorPolicy"):
+@pytest.mark.parametrize(
+    "unknown", ["weighted_prefix", "LONGEST_PREFIX", "Load_Balanced", "x" * 64]
+)
+def test_from_dict_keeps_a_policy_string_it_does_not_know(unknown: str) -> None:
+    # A value of Megatron's next version must not refuse the engine: kept verbatim.
+    caps = InferenceEngineCapabilities.from_dict(
+        caps_dict(prefix_caching_coordinator_policy=unknown)
+    )
+    policy = caps.prefix_caching_coordinator_policy
+    assert type(policy) is UnknownValue and policy == unknown
+    assert caps.to_dict()["prefix_caching_coordinator_policy"] == unknown
+    assert InferenceEngineCapabilities(**caps.to_dict()) == caps
+    assert json.loads(json.dumps(caps.to_dict()))["prefix_caching_coordinator_policy"] == unknown
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 65, "a\nb", 1, 1.5, True, ["round_robin"]], ids=repr)
+def test_from_dict_refuses_a_policy_that_is_no_name(bad: object) -> None:
+    # Strict where Megatron is: a non-string raises ValueError there too.
+    with pytest.raises(ValueError, match="prefix_caching_coordinator_policy"):
         InferenceEngineCapabilities.from_dict(caps_dict(prefix_caching_coordinator_policy=bad))
 
 
@@ -497,10 +517,24 @@ def test_from_engine_converts_a_foreign_policy_enum_to_ours(foreign: ForeignPoli
     assert caps.prefix_caching_coordinator_policy.name == foreign.name
 
 
-def test_from_engine_rejects_an_unknown_engine_policy() -> None:
-    foreign = enum.Enum("Foreign", {"ROUND_ROBIN": "round_robin"})
-    with pytest.raises(ValueError, match="round_robin"):
-        InferenceEngineCapabilities.from_engine(fake_engine(policy=foreign.ROUND_ROBIN))
+class ReleasedPolicy(str, enum.Enum):  # noqa: UP042 - as Megatron declares it
+    """Megatron 0.17/0.18/dev's enum (core_r0.18.0 dc0ee41a, config.py)."""
+
+    LONGEST_PREFIX = "longest_prefix"
+    FIRST_PREFIX_BLOCK = "first_prefix_block"
+    ROUND_ROBIN = "round_robin"
+
+
+def test_from_engine_reads_a_released_megatron_engine_round_robin() -> None:
+    caps = InferenceEngineCapabilities.from_engine(fake_engine(policy=ReleasedPolicy.ROUND_ROBIN))
+    assert caps.prefix_caching_coordinator_policy is Policy.ROUND_ROBIN
+
+
+def test_from_engine_keeps_an_engine_policy_it_does_not_know() -> None:
+    foreign = enum.Enum("Foreign", {"FREE_CAPACITY": "prefix_tree_v2"})
+    caps = InferenceEngineCapabilities.from_engine(fake_engine(policy=foreign.FREE_CAPACITY))
+    assert type(caps.prefix_caching_coordinator_policy) is UnknownValue
+    assert caps.prefix_caching_coordinator_policy == "prefix_tree_v2"
 
 
 def test_from_engine_logical_data_parallel_size() -> None:
@@ -544,14 +578,23 @@ def test_from_engine_does_not_keep_the_engine() -> None:
 
 # --- An independent Megatron reader -------------------------------------------------------
 
-_MEGATRON_POLICY_VALUES = ("longest_prefix", "first_prefix_block", "load_balanced")
+MAIN_POLICIES = ("longest_prefix", "first_prefix_block", "load_balanced")  # d98e8a64
+RELEASED_POLICIES = ("longest_prefix", "first_prefix_block", "round_robin")  # 0.17, 0.18, dev
 
 
-def megatron_from_dict(value: dict[str, Any]) -> dict[str, Any]:
+def policies_knowing(policy: object) -> tuple[str, ...]:
+    """The policy values of a Megatron version whose enum has ``policy`` (main's if none)."""
+    return RELEASED_POLICIES if policy == "round_robin" else MAIN_POLICIES
+
+
+def megatron_from_dict(
+    value: dict[str, Any], policies: tuple[str, ...] = MAIN_POLICIES
+) -> dict[str, Any]:
     """Megatron's ``InferenceEngineEndpoint.from_dict`` rules, by field name only.
 
-    Returns the endpoint as a plain dict with the policy as its value string, or raises
-    KeyError / TypeError / ValueError exactly where Megatron would.
+    ``policies``: the values of that Megatron version's enum. Returns the endpoint as a
+    plain dict with the policy as its value string, or raises KeyError / TypeError /
+    ValueError exactly where Megatron would.
     """
     address = value["coordinator_address"]
     raw = value["capabilities"]
@@ -560,7 +603,7 @@ def megatron_from_dict(value: dict[str, Any]) -> dict[str, Any]:
     caps = {name: raw[name] for name in REQUIRED_KEYS}
     caps["logical_data_parallel_size"] = raw.get("logical_data_parallel_size", 1)
     policy = raw.get("prefix_caching_coordinator_policy")
-    if policy is not None and policy not in _MEGATRON_POLICY_VALUES:
+    if policy is not None and policy not in policies:
         raise ValueError(f"{policy!r} is not a valid PrefixCachingCoordinatorPolicy")
     caps["prefix_caching_coordinator_policy"] = policy
     for name in INT_FIELDS:
@@ -605,7 +648,7 @@ def test_megatron_reader_loads_the_values_our_codec_writes(policy: Policy | None
         labels={"model": "llama-70b", "zone": "us-east-1a"},
         registered_at=datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC),
     )
-    loaded = megatron_from_dict(json.loads(encode(record)))
+    loaded = megatron_from_dict(json.loads(encode(record)), policies_knowing(policy))
     expected = {**caps_kwargs(), "logical_data_parallel_size": 2}
     expected["prefix_caching_coordinator_policy"] = None if policy is None else policy.value
     assert loaded == {"coordinator_address": ADDRESS, "capabilities": expected}
@@ -644,7 +687,7 @@ def test_our_codec_decodes_values_shaped_as_megatron_writes_them(
         "prefix_caching_coordinator_policy": None if policy is None else policy.value,
     }
     value = megatron_to_json(ADDRESS, caps, with_policy=with_policy)
-    assert megatron_from_dict(json.loads(value))["capabilities"] == caps
+    assert megatron_from_dict(json.loads(value), policies_knowing(policy))["capabilities"] == caps
     record = KeySpace().decode(b"/inference/v1/default/engines/megatron-0", value)
     assert record.engine_id == "megatron-0"
     assert record.endpoint == InferenceEngineEndpoint(
@@ -791,4 +834,5 @@ def test_valid_records_always_load_and_agree_with_the_megatron_reader(
 ) -> None:
     value = {"coordinator_address": ADDRESS, "capabilities": caps}
     endpoint = InferenceEngineEndpoint.from_dict(value)
-    assert endpoint.to_dict() == megatron_from_dict(json.loads(json.dumps(value)))
+    policies = policies_knowing(caps.get("prefix_caching_coordinator_policy"))
+    assert endpoint.to_dict() == megatron_from_dict(json.loads(json.dumps(value)), policies)

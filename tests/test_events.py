@@ -151,7 +151,7 @@ def test_bad_frames_are_counted_logged_and_register_nothing(
         {"something": "else"},
         {"coordinator_address": "tcp://x:1", "capabilities": {"context_length": 1}},
         megatron_to_dict(context_length=0),
-        megatron_to_dict(prefix_caching_coordinator_policy="nearest"),
+        megatron_to_dict(prefix_caching_coordinator_policy=7),  # a string is kept, if a name
         {**megatron_to_dict(), "role": 7},
         {**megatron_to_dict(), "role": "x" * 300},  # an unknown role is kept, if a name
         {"coordinator_address": "tcp://x:1", "engine": {**caps, "role": ["decode"]}},

@@ -61,11 +61,11 @@ async def until(condition: Callable[[], Any], timeout: float = 30.0, what: str =
     return value
 
 
-def seed_of(reply: dict[str, Any], prompt: list[int] = PROMPT) -> int:
-    """Which engine answered: the seed whose tokens these are."""
+def seed_of(reply: dict[str, Any], prompt: list[int] = PROMPT, images: Any = None) -> int:
+    """Which engine answered: the seed whose tokens these are (for a request with ``images``)."""
     tokens = reply["generated_tokens"]
     for seed in range(16):
-        if generated_tokens(prompt, len(tokens), seed=seed) == tokens:
+        if generated_tokens(prompt, len(tokens), seed=seed, multi_modal_data=images) == tokens:
             return seed
     raise AssertionError(f"no stand-in seed makes {tokens}")
 
@@ -436,3 +436,31 @@ def test_the_fleet_guide_runs_as_written() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
     returncode, _, err = run_python("\n".join(blocks), env, timeout=120)
     assert returncode == 0, err[-4000:]
+
+
+def test_a_request_with_images_is_routed_by_load_not_by_its_cached_prompt(
+    settings: Settings,
+) -> None:
+    # Megatron (881f489f) never prefix-caches a request with images: affinity would only
+    # pile them on one engine. Text requests of the same prompt all go to one engine.
+    prompt = list(range(1, 1025))  # four 256-token blocks
+    with fleet_of(settings, 3, policy="longest_prefix") as (_, router):
+
+        async def body() -> tuple[list[int], list[int]]:
+            async with FleetClient(router, client_factory=InferenceClient) as fleet:
+                await until(lambda: len(fleet.clients) == 3, what="a client per engine")
+                text = [seed_of(await fleet.add_request(prompt, PARAMS), prompt) for _ in range(6)]
+                image = {"image": [b"png"]}
+                images = [
+                    seed_of(
+                        await fleet.add_request(prompt, PARAMS, multi_modal_data=image),
+                        prompt,
+                        image,
+                    )
+                    for _ in range(6)
+                ]
+                return text, images
+
+        text, images = run(body())
+    assert len(set(text)) == 1, "text: the engine holding the prompt"
+    assert Counter(images) == {0: 2, 1: 2, 2: 2}, "images: by load, in turn"

@@ -37,7 +37,7 @@ from discovery._kvstate import pack_hashes
 
 from .conftest import Store
 from .helpers import make_endpoint, make_layout, wait_for
-from .test_router import Fleet
+from .test_router import Fleet, no_hashing
 
 LP = PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
 
@@ -267,3 +267,25 @@ def test_an_engine_leaving_etcd_tells_its_sides_handle_and_a_re_pick_keeps_the_o
     finally:
         for registration in engines.values():
             registration.close()
+
+
+def test_an_image_request_pairs_by_load_and_never_by_a_cache(monkeypatch) -> None:
+    # Megatron (881f489f) caches no request with images: an aggregated engine's relayed
+    # cache never makes it serve one alone, and prefill engines are taken by load.
+    fleet = Fleet()
+    for i in range(2):
+        add(fleet, f"p{i}", "prefill", kv_cache_block_size=16)
+    add(fleet, "d", "decode", kv_cache_block_size=16)
+    add(fleet, "agg", "aggregated", relay=True, kv_cache_block_size=16)
+    states = EngineStates(fleet.table).start(connect=False)
+    router = Router(fleet.table, states=states)
+    prompt = list(range(160))
+    states.feed("agg", ["hello", 1, 0, pack_hashes(block_hashes(prompt, 16)), {}])
+    kwargs = {"allow_aggregated": True, "alone_below": 0, "alone_share": 0.5}
+    with router.pick_pair(prompt, 1, **kwargs) as text:
+        assert text.alone, "text: the engine caching the prompt serves it alone"
+    no_hashing(monkeypatch)
+    pairs = [router.pick_pair(prompt, 1, images=True, **kwargs) for _ in range(4)]
+    assert not any(pair.alone for pair in pairs)
+    assert Counter(pair.prefill.engine_id for pair in pairs) == {"p0": 2, "p1": 2}
+    states.stop()

@@ -143,7 +143,8 @@ def test_duplicate_engine_id_is_refused_and_replace_takes_over(store: Store) -> 
             message="the old holder to report the conflict",
         )
         assert store.get(second.key).lease == second.lease_id
-        assert RegistrationState.LOST in states
+        # Listeners hear of it on the dispatcher's thread, a moment after the state changed.
+        wait_for(lambda: RegistrationState.LOST in states, message="the listener told")
     finally:
         second.close()
         first.close()

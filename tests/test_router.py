@@ -45,6 +45,7 @@ from discovery import (
     RoutingTable,
     Selector,
     Settings,
+    UnknownValue,
     block_hashes,
     register_engine,
     watch_table,
@@ -756,6 +757,8 @@ def test_block_hashes_must_cover_every_complete_block() -> None:
         (FPB, RoutingPolicy.FIRST_PREFIX_BLOCK),
         (LP, RoutingPolicy.LONGEST_PREFIX),
         (LB, RoutingPolicy.LOAD_BALANCED),
+        (PrefixCachingCoordinatorPolicy.ROUND_ROBIN, RoutingPolicy.ROUND_ROBIN),  # 0.17/0.18
+        (UnknownValue("weighted_prefix"), RoutingPolicy.LOAD_BALANCED),  # invented
         (None, RoutingPolicy.LOAD_BALANCED),
     ],
 )
@@ -768,6 +771,38 @@ def test_auto_follows_the_advertised_policy(advertised, expected) -> None:
     router.pick(prompt, 1).release()  # seeds the longest-prefix index
     with router.pick(prompt, 1) as handle:
         assert handle.policy is expected
+
+
+def test_auto_routes_round_robin_engines_in_turn() -> None:
+    fleet = Fleet()
+    fleet.add_many(3, kv_cache_block_size=4, policy=PrefixCachingCoordinatorPolicy.ROUND_ROBIN)
+    router = Router(fleet.table)
+    prompt = list(range(12))
+    assert [router.pick(prompt, 1).engine_id for _ in range(6)] == ["e000", "e001", "e002"] * 2
+
+
+def test_an_unknown_advertised_policy_is_load_balanced_logged_once_per_value_and_counted(
+    caplog,
+) -> None:
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415 - the metrics extra
+
+    registry = CollectorRegistry()
+    fleet = Fleet()
+    fleet.add_many(2, policy=UnknownValue("weighted_prefix"))
+    prompt = list(range(600))
+    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+        router = Router(fleet.table, metrics=discovery.Metrics(registry))
+        chosen = picks(router, prompt, 8)
+        fleet.add("e000", 0, policy=UnknownValue("weighted_prefix"), max_num_seqs=32)
+        fleet.add("e002", 2, policy=UnknownValue("prefix_tree_v2"))
+        chosen += picks(router, prompt, 3)
+    assert set(chosen) == {"e000", "e001", "e002"}, "by load: every engine takes some"
+    assert {router.pick(prompt, 1).policy for _ in range(3)} == {RoutingPolicy.LOAD_BALANCED}
+    logged = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert len(logged) == 2, logged
+    assert "'weighted_prefix'" in logged[0] and "'prefix_tree_v2'" in logged[1]
+    # Read: e000 and e001, then e002 (e000's rewrite keeps its value: not counted again).
+    assert registry.get_sample_value("discovery_router_unknown_policy_total") == 3
 
 
 def test_auto_load_balances_engines_without_prefix_caching() -> None:
@@ -1076,3 +1111,64 @@ def test_docs_example_runs(block: str, expected: str, settings: Settings, monkey
     monkeypatch.setenv("DISCOVERY_NAMESPACE", settings.namespace)
     exec(compile(block, str(DOCS), "exec"), {"__name__": "__docs__"})
     assert expected in capsys.readouterr().out
+
+
+# -- requests with images ----------------------------------------------------------------
+
+
+def no_hashing(monkeypatch) -> None:
+    """Any hash of a prompt (every policy's and the pair's alone check) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an image request's prompt was hashed")
+
+    import discovery._policies as policies  # noqa: PLC0415
+    import discovery._router as router_module  # noqa: PLC0415
+
+    for name in ("_block_hashes", "_first_block_key"):
+        monkeypatch.setattr(policies, name, refuse)
+    monkeypatch.setattr(policies, "LazyBlockHashes", refuse)
+    monkeypatch.setattr(router_module, "block_hashes", refuse)
+
+
+@pytest.mark.parametrize("policy", ["auto", "longest_prefix", "first_prefix_block"])
+def test_an_image_request_is_routed_by_load_and_never_hashed(policy: str, monkeypatch) -> None:
+    # Megatron (881f489f) never prefix-caches a request with images and its coordinator
+    # routes it by load alone: one engine "caching" the whole prompt must not draw it.
+    fleet = Fleet()
+    fleet.add_many(4, kv_cache_block_size=16, policy=LP)
+    router = Router(fleet.table, policy=policy)
+    prompt = list(range(160))  # ten whole blocks
+    with router.pick(prompt, 8) as seed:
+        cached = seed.engine_id
+    assert set(picks(router, prompt, 8)) == {cached}, "text: cache affinity"
+    index_before = {k: list(v) for k, v in prefix_index(router)._lru.items()}
+    no_hashing(monkeypatch)
+    chosen: Counter = Counter()
+    held = [router.pick(prompt, 8, images=True, session_key="chat-1") for _ in range(8)]
+    for handle in held:
+        assert handle.policy is RoutingPolicy.LOAD_BALANCED and handle.matched_tokens == 0
+        chosen[handle.engine_id] += 1
+        handle.release()
+    assert chosen == dict.fromkeys(["e000", "e001", "e002", "e003"], 2), "by load alone"
+    assert {k: list(v) for k, v in prefix_index(router)._lru.items()} == index_before
+    with pytest.raises(AssertionError, match="hashed"):
+        router.pick(prompt, 8)  # the same prompt as text is hashed: the trap works
+
+
+def test_an_image_request_keeps_every_filter_fencing_and_the_pin() -> None:
+    fleet = Fleet()
+    fleet.add("a", 0, labels={"zone": "x"}, kv_cache_block_size=16, policy=LP)
+    fleet.add("b", 1, labels={"zone": "y"}, kv_cache_block_size=16, policy=LP)
+    fleet.add("c", 2, labels={"zone": "y"}, kv_cache_block_size=16, policy=LP)
+    router = Router(fleet.table, fence_after=1)
+    prompt = list(range(64))
+    for _ in range(4):
+        with router.pick(prompt, 1, images=True, selector={"zone": "y"}) as handle:
+            assert handle.engine_id in {"b", "c"}
+    router.pick(prompt, 1, images=True, engine_id="b").release(failed=True)  # fenced now
+    assert {router.pick(prompt, 1, images=True).engine_id for _ in range(4)} == {"a", "c"}
+    with router.pick(prompt, 1, images=True, engine_id="a") as pinned:
+        assert pinned.engine_id == "a"
+    with pytest.raises(NoEngineAvailableError):
+        router.pick(prompt, 10**6, images=True)  # fits no context

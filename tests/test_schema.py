@@ -36,7 +36,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "discovery"
 
 NEW_FIELD = """
     priority: int | None = _stored(
-        form=Form(int | None, _priority, int, _priority),
+        form=Form(int | None, _priority, int, _priority, {"type": "integer", "maximum": 9}),
         json="integer",
         doc="how much the scheduler favours the engine (0-9)",
         column=Column("PRIO", lambda r: "-" if r.priority is None else f"p{r.priority}", lead=True),
@@ -56,7 +56,7 @@ import json, sys
 from discovery import EndpointEvent, EventType, InferenceEngineCapabilities as C
 from discovery import InferenceEngineEndpoint as E, InvalidRecordError
 from discovery._codec import KeySpace, encode
-from discovery._record import EngineRecord, field_table
+from discovery._record import EngineRecord, field_table, record_schema
 from discovery.cli._commands import format_event
 
 endpoint = E("tcp://a:1", C(8192, 256, 100, 8, 4096, 1, True))
@@ -83,6 +83,7 @@ print(json.dumps({
     "jsonl": event.to_dict(),
     "text": format_event(event, "text"),
     "headers": EngineRecord.column_headers(lead=True),
+    "schema": record_schema()["properties"]["priority"],
 }))
 """
 
@@ -92,8 +93,8 @@ def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
     tmp_path: Path,
 ) -> None:
     """Add one field to EngineRecord (one declaration) in a copy of the package: encode,
-    both decode paths, validation, the CLI's columns, the jsonl form and the docs' table
-    all carry it, with no other edit."""
+    both decode paths, validation, the CLI's columns, the jsonl form, the docs' table and
+    the JSON Schema all carry it, with no other edit."""
     copy = tmp_path / "discovery"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     source = (copy / "_record.py").read_text()
@@ -124,6 +125,11 @@ def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
     assert out["jsonl"]["priority"] == 7
     assert out["headers"] == ["STATUS", "VERSION", "ROLE", "PRIO"]
     assert " ready p7 rev=5" in out["text"]
+    assert out["schema"] == {  # discovery schema (docs/record.schema.json) has it too
+        "description": "how much the scheduler favours the engine (0-9)",
+        "type": ["integer", "null"],
+        "maximum": 9,
+    }
 
 
 def test_the_declared_fields_are_the_stored_metadata() -> None:

@@ -180,7 +180,7 @@ def test_malformed_values_are_skipped_counted_and_never_break_the_table(store: S
     put(k("garbage"), b"\x00not json")
     put(k("latin1"), b"\xff\xfe\xfa")
     bad_policy = json.loads(_value(2))
-    bad_policy["capabilities"]["prefix_caching_coordinator_policy"] = "fastest"
+    bad_policy["capabilities"]["prefix_caching_coordinator_policy"] = 7  # a string is kept
     bad_policy["engine_id"] = "policy"
     put(k("policy"), json.dumps(bad_policy).encode())
     put(store.settings.keyspace.prefix + "not/an/id", _value(3, "id"))

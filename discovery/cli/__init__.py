@@ -7,6 +7,7 @@ Exit status: 0 success, 1 runtime failure (etcd unavailable, conflict, denied),
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from ._commands import (
     cmd_pause,
     cmd_register,
     cmd_resume,
+    cmd_schema,
     cmd_top,
     cmd_undrain,
     cmd_watch,
@@ -114,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(watch)
     add_metrics_flags(watch)
     watch.set_defaults(func=cmd_watch)
+
+    schema = commands.add_parser(
+        "schema",
+        help="print the JSON Schema (draft 2020-12) of the stored value (docs/record.md)",
+    )
+    # No etcd, nothing to log: only what main's logging set-up reads.
+    schema.set_defaults(func=cmd_schema, log_level=logging.INFO, log_format="text")
 
     demo = commands.add_parser("demo", help="run the end-to-end demo (embedded etcd if none)")
     demo.add_argument("--engines", type=int, default=3)

@@ -16,14 +16,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import (
+    EngineRecord,
     EngineRole,
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     InvalidRecordError,
+    KeySpace,
     KvLayout,
     KvTransferBackend,
     Metrics,
     PrefixCachingCoordinatorPolicy,
+    RecordDecodeError,
     Selector,
     Settings,
     Split,
@@ -370,8 +373,14 @@ def selector_from_args(args: argparse.Namespace) -> Selector:
     return selector
 
 
-def endpoint_from_args(args: argparse.Namespace) -> tuple[InferenceEngineEndpoint, dict[str, Any]]:
-    """The endpoint and the metadata (engine_id, labels) found in the file, if any."""
+def endpoint_from_args(
+    args: argparse.Namespace,
+) -> tuple[InferenceEngineEndpoint | _FileEndpoint, dict[str, Any]]:
+    """The endpoint and the metadata (engine_id, labels) found in the file, if any.
+
+    An endpoint file's keys this version does not know (top level, and inside
+    ``capabilities``) are registered too, as the library keeps them (``endpoint_parts``).
+    """
     if args.endpoint_file:
         return _endpoint_from_file(args.endpoint_file)
     missing = [f"--{n.replace('_', '-')}" for n in _CAPABILITY_FLAGS if getattr(args, n) is None]
@@ -394,7 +403,20 @@ def endpoint_from_args(args: argparse.Namespace) -> tuple[InferenceEngineEndpoin
         raise UsageError(str(exc)) from None
 
 
-def _endpoint_from_file(path: str) -> tuple[InferenceEngineEndpoint, dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class _FileEndpoint:
+    """An endpoint file's record with Megatron's ``to_dict()``: its unknown keys are kept."""
+
+    record: EngineRecord
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's endpoint with the keys this version does not know."""
+        value = self.record.endpoint.to_dict()
+        value["capabilities"].update(self.record.extra_capabilities)
+        return {**value, **self.record.extra}
+
+
+def _endpoint_from_file(path: str) -> tuple[_FileEndpoint, dict[str, Any]]:
     try:
         with open(path, encoding="utf-8") as handle:
             value = json.load(handle)
@@ -402,10 +424,18 @@ def _endpoint_from_file(path: str) -> tuple[InferenceEngineEndpoint, dict[str, A
         raise UsageError(f"--endpoint-file: cannot read {path!r}: {exc.strerror}") from None
     except ValueError as exc:
         raise UsageError(f"--endpoint-file {path!r} is not JSON: {exc}") from None
+    # Read as a stored value is (every problem named, unknown keys kept): the record's
+    # engine_id and labels are used, its other metadata is the registration's to write.
+    engine_id = value.get("engine_id") if isinstance(value, dict) else None
+    keys = KeySpace()
     try:
-        endpoint = InferenceEngineEndpoint.from_dict(value)
-    except KeyError as exc:
-        raise UsageError(f"--endpoint-file: missing field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
+        key = keys.key(engine_id if isinstance(engine_id, str) else "endpoint-file")
+        record = keys.decode(key, json.dumps(value).encode())
+    except RecordDecodeError as exc:
+        raise UsageError(f"--endpoint-file: {exc.reason}") from None
+    except InvalidRecordError as exc:
         raise UsageError(f"--endpoint-file: {exc}") from None
-    return endpoint, {k: value[k] for k in ("engine_id", "labels") if k in value}
+    meta: dict[str, Any] = {"labels": dict(record.labels)}
+    if engine_id is not None:
+        meta["engine_id"] = record.engine_id
+    return _FileEndpoint(record), meta

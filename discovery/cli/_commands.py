@@ -33,6 +33,7 @@ from .. import (
     launch,
     list_engines,
     pause,
+    record_schema,
     register_engine,
     resume,
     undrain,
@@ -195,6 +196,12 @@ def _cells(record: EngineRecord, *, lead: bool) -> str:
 
 
 # -- list / watch ---------------------------------------------------------------------------
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    """Print the JSON Schema of the stored value (docs/record.schema.json holds the same)."""
+    print(json.dumps(record_schema(), indent=2))
+    return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
