@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "discovery"
-ADAPTER = "discovery._connection"
+ADAPTER = "discovery._etcd.connection"
 CLIENT_MODULES = ("etcd3", "grpc", "google.protobuf")
 
 
@@ -120,7 +120,7 @@ def _library_use_of_the_cli() -> dict[str, list[str]]:
                 continue  # the package's public names
             parts = module.split(".")[1:]
             if module != "discovery" and not any(p.startswith("_") for p in parts):
-                continue  # a public module (discovery.embedded, discovery.stand_in_engine)
+                continue  # a public module (discovery.testing.embedded, discovery.testing.stand_in_engine)
             private.setdefault(_module_name(path), []).append(f"{module}:{name}")
     return private
 
@@ -136,7 +136,7 @@ def test_the_public_name_rule_sees_private_imports() -> None:
 
 def test_only_the_factory_and_the_package_import_the_adapter() -> None:
     importers = {module for module, imports in MODULES.items() if ADAPTER in imports}
-    assert importers == {"discovery._transport", "discovery"}
+    assert importers == {"discovery._etcd.transport", "discovery"}
 
 
 def _calls(module: str, attribute: str) -> bool:
@@ -152,7 +152,7 @@ def _calls(module: str, attribute: str) -> bool:
 def test_one_watch_loop() -> None:
     """Only the list-watch loop opens watches (the port and its adapters define them)."""
     openers = {m for m in MODULES if _calls(m, "open_watch")}
-    assert openers == {"discovery._reflector"}
+    assert openers == {"discovery._etcd.reflector"}
 
 
 def test_one_backoff_policy() -> None:
