@@ -42,8 +42,8 @@ from discovery import (  # noqa: E402 - after the path tweak
     PrefixCachingCoordinatorPolicy,
     RoutingTable,
 )
-from discovery._store import EngineStore, Entry  # noqa: E402
-from discovery.embedded import EtcdCluster, find_binary  # noqa: E402
+from discovery._reads.store import EngineStore, Entry  # noqa: E402
+from discovery.testing.embedded import EtcdCluster, find_binary  # noqa: E402
 
 RESULTS = BENCH / "RESULTS.md"  # the page: generated, never edited by hand
 SECTIONS = BENCH / "results"  # <name>.md: latest section; <name>.targets.json: its targets

@@ -90,7 +90,7 @@ class Times:
 
 def ours(url: str, prefix: bytes, times: Times, events: Stamps | None):
     from discovery import Router, Settings, watch_table  # noqa: PLC0415
-    from discovery._connection import Connection  # noqa: PLC0415 - the first-page hook only
+    from discovery._etcd.connection import Connection  # noqa: PLC0415 - the first-page hook only
 
     times.import_done()
     # The hook that notes when the first page is in hand (one generator layer, < 1 us a page).

@@ -42,8 +42,8 @@ from _common import (
 )
 
 from discovery import Connection, EndpointWatcher, RoutingTable, Settings
-from discovery._codec import encode
-from discovery._record import EngineRecord
+from discovery._records.codec import encode
+from discovery._records.record import EngineRecord
 
 NAMESPACE = "churn"
 VARIANTS = 4

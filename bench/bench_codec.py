@@ -22,7 +22,7 @@ import orjson
 from _common import LABELS, Target, make_endpoint, record_results, table_text, write_json
 
 from discovery import EngineRecord, InferenceEngineEndpoint, KeySpace
-from discovery._codec import _exact_record, _WireCapabilities, encode
+from discovery._records.codec import _exact_record, _WireCapabilities, encode
 
 PASSES = 7
 

@@ -40,8 +40,8 @@ from _common import (
 sys.path.insert(0, str(ROOT))  # the harness lives with the tests
 
 from discovery import Settings
-from discovery.embedded import EtcdCluster
-from discovery.embedded_netns import PartitionableCluster, unavailable_reason
+from discovery.testing.embedded import EtcdCluster
+from discovery.testing.embedded_netns import PartitionableCluster, unavailable_reason
 from tests import catalogue
 from tests.catalogue import COMMON, SCENARIOS, Env, Figures, Scenario
 

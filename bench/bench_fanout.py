@@ -33,7 +33,7 @@ from _common import (
     write_json,
 )
 
-from discovery.embedded import EtcdGrpcProxy
+from discovery.testing.embedded import EtcdGrpcProxy
 
 PREFIX = b"/inference/v1/fanout/engines/"
 

@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python bench/bench_fleet.py`` (``--no-results``: print, record nothing).
 
 Real etcd (a private member), stand-in engines speaking Megatron's coordinator wire
-(docs/megatron_wire.md) and ``discovery.stand_in_client`` (the same wire as Megatron's
+(docs/megatron_wire.md) and ``discovery.testing.stand_in_client`` (the same wire as Megatron's
 ``InferenceClient``) on both paths; the client side runs in this process.
 
 * **Overhead.** ``OVERHEAD_ENGINES`` stand-in coordinators in two engine-host processes
@@ -61,8 +61,8 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery.stand_in_client import InferenceClient
-from discovery.stand_in_coordinator import StandInCoordinator
+from discovery.testing.stand_in_client import InferenceClient
+from discovery.testing.stand_in_coordinator import StandInCoordinator
 from tests.helpers import STAND_IN, Launcher, cli_env
 
 OVERHEAD_ENGINES = 64

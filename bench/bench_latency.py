@@ -54,8 +54,8 @@ from discovery import (
     _registration,
     register_engine,
 )
-from discovery._codec import encode
-from discovery._record import EngineRecord
+from discovery._records.codec import encode
+from discovery._records.record import EngineRecord
 
 WARMUP = 50
 TTL = 60

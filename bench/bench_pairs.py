@@ -95,11 +95,11 @@ from discovery import (
     RoutingTable,
     block_hashes,
 )
-from discovery._follower import REPORT_INTERVAL
-from discovery._kvstate import pack_hashes
-from discovery._pairs import DEFAULT_ALONE_BELOW, DEFAULT_ALONE_SHARE
-from discovery._relay import LOAD_INTERVAL
-from discovery._store import EngineStore, Entry
+from discovery._reads.store import EngineStore, Entry
+from discovery._routing.pairs import DEFAULT_ALONE_BELOW, DEFAULT_ALONE_SHARE
+from discovery._state.engine_states import REPORT_INTERVAL
+from discovery._state.kvstate import pack_hashes
+from discovery._state.relay import LOAD_INTERVAL
 
 RACKS = 4
 SLOTS = 32

@@ -33,10 +33,10 @@ import tracemalloc
 from _common import Target, percentile, record_results, table_text, write_json
 
 from discovery import EngineRecord, EngineStates, RoutingTable
-from discovery._follower import _Follow
-from discovery._kvstate import unpack_hashes
-from discovery._store import EngineStore, Entry
-from discovery.stand_in_engine import default_endpoint
+from discovery._reads.store import EngineStore, Entry
+from discovery._state.engine_states import _Follow
+from discovery._state.kvstate import unpack_hashes
+from discovery.testing.stand_in_engine import default_endpoint
 
 LATENCY_PERIOD = 0.05  # each engine's frame interval in the latency phase
 LATENCY_SECONDS = 5.0

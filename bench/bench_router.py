@@ -42,7 +42,7 @@ from typing import Any
 from _common import Target, memory_table, record_results
 
 from discovery import EngineStates, Router, RoutingPolicy, RoutingTable, block_hashes
-from discovery._kvstate import pack_hashes
+from discovery._state.kvstate import pack_hashes
 
 SIZES = (8, 64, 512)
 BLOCK = 256
@@ -176,7 +176,7 @@ def key_moves(engines: int, keys: int) -> dict[str, float]:
     before = key_places(router, keys)
     gone = "engine-007"
     snapshot = table.snapshot()
-    from discovery._store import Change  # noqa: PLC0415 - feeding the table by hand
+    from discovery._reads.store import Change  # noqa: PLC0415 - feeding the table by hand
 
     table.store.apply([Change(f"/k/{gone}", gone, snapshot.revision + 1, None)])
     after = key_places(router, keys)
@@ -196,7 +196,7 @@ def key_moves(engines: int, keys: int) -> dict[str, float]:
 def split_share(engines: int, picks: int) -> dict[str, float]:
     """The canaries' share of ``picks`` picks (and keys) under a 95/5 split."""
     from discovery import EngineRecord  # noqa: PLC0415
-    from discovery._store import Change  # noqa: PLC0415
+    from discovery._reads.store import Change  # noqa: PLC0415
 
     table = make_table(engines)
     snapshot = table.snapshot()

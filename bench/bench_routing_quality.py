@@ -113,10 +113,10 @@ from discovery import (
     RoutingTable,
     block_hashes,
 )
-from discovery._follower import REPORT_INTERVAL
-from discovery._kvstate import pack_hashes
-from discovery._policies import DEFAULT_LOAD_FACTOR, KvAwarePolicy
-from discovery._relay import LOAD_INTERVAL, SUBSCRIBER_TIMEOUT
+from discovery._routing.policies import DEFAULT_LOAD_FACTOR, KvAwarePolicy
+from discovery._state.engine_states import REPORT_INTERVAL
+from discovery._state.kvstate import pack_hashes
+from discovery._state.relay import LOAD_INTERVAL, SUBSCRIBER_TIMEOUT
 
 BLOCK = 256
 SLOTS = 32

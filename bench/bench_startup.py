@@ -66,7 +66,7 @@ from _startup_worker import NAMESPACE
 from bench_sync import populate
 
 from discovery import EngineRecord
-from discovery._codec import encode
+from discovery._records.codec import encode
 
 KINDS = ("ours", "raw", "aetcd", "etcd3aio", "etcd_client")
 PEERS = KINDS[1:]

@@ -108,7 +108,7 @@ def populate(url: str, prefix: str, start: int, stop: int) -> float:
     import etcd3  # noqa: PLC0415
 
     from discovery import EngineRecord  # noqa: PLC0415
-    from discovery._codec import encode  # noqa: PLC0415
+    from discovery._records.codec import encode  # noqa: PLC0415
 
     client = etcd3.client(*host_port(url))
     now = datetime.now(UTC)

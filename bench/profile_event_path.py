@@ -29,8 +29,8 @@ from _common import LABELS, etcd_cluster, host_port, make_endpoint, percentile, 
 from bench_latency import _patch_etcd3_six
 
 from discovery import EndpointWatcher, RoutingTable, Settings, _store, _watcher
-from discovery._codec import encode
-from discovery._record import EngineRecord
+from discovery._records.codec import encode
+from discovery._records.record import EngineRecord
 
 STAGES = ["response in", "decoded", "store in", "applied", "handed over", "listener"]
 WARMUP = 50

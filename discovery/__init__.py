@@ -5,15 +5,9 @@ into a live ``RoutingTable``. See the documentation (docs/, ``./dev docs``) for 
 key layout and the guarantees.
 """
 
-from ._blockhash import block_hashes
-from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, MAX_VALUE_BYTES, KeySpace
-from ._connection import Connection
-from ._endpoint import (
-    InferenceEngineCapabilities,
-    InferenceEngineEndpoint,
-    PrefixCachingCoordinatorPolicy,
-)
-from ._errors import (
+from discovery._engine.events import EngineEventReceiver, ReceiverHealth, ReceiverState
+from discovery._engine.launch import launch
+from discovery._errors import (
     ClosedError,
     ConfigurationError,
     DiscoveryError,
@@ -28,10 +22,26 @@ from ._errors import (
     PermissionDeniedError,
     RecordDecodeError,
 )
-from ._events import EngineEventReceiver, ReceiverHealth, ReceiverState
-from ._fleet import ControlResult, FleetClient, RequestLostError
-from ._follower import EngineState, EngineStates, EngineStatesHealth
-from ._handoff import (
+from discovery._etcd.connection import Connection
+from discovery._etcd.port import EtcdPort
+from discovery._metrics import Metrics, MetricsHooks
+from discovery._reads.store import EndpointEvent, EventType, RoutingSnapshot
+from discovery._reads.table import RoutingTable, watch_table
+from discovery._reads.watcher import (
+    EndpointWatcher,
+    EngineListing,
+    ListedEngine,
+    WatcherHealth,
+    WatcherState,
+    list_engines,
+)
+from discovery._records.codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, MAX_VALUE_BYTES, KeySpace
+from discovery._records.endpoint import (
+    InferenceEngineCapabilities,
+    InferenceEngineEndpoint,
+    PrefixCachingCoordinatorPolicy,
+)
+from discovery._records.handoff import (
     EngineRole,
     HandoffKey,
     KvLayout,
@@ -39,10 +49,11 @@ from ._handoff import (
     handoff_key,
     handoff_problem,
 )
-from ._launch import launch
-from ._metrics import Metrics, MetricsHooks
-from ._operators import deregister, drain, pause, resume, undrain
-from ._policies import (
+from discovery._records.record import EngineRecord, EngineStatus, record_schema
+from discovery._records.selector import Selector
+from discovery._records.unknown import UnknownValue
+from discovery._routing.fleet import ControlResult, FleetClient, RequestLostError
+from discovery._routing.policies import (
     Candidate,
     Choice,
     FirstPrefixBlockPolicy,
@@ -54,9 +65,13 @@ from ._policies import (
     RoutingPolicy,
     SessionPolicy,
 )
-from ._port import EtcdPort
-from ._record import EngineRecord, EngineStatus, record_schema
-from ._registration import (
+from discovery._routing.router import Explanation, PickHandle, PickPair, Router, RouterHealth
+from discovery._routing.split import Split
+from discovery._settings import Settings
+from discovery._state.blockhash import block_hashes
+from discovery._state.engine_states import EngineState, EngineStates, EngineStatesHealth
+from discovery._writes.operators import deregister, drain, pause, resume, undrain
+from discovery._writes.registration import (
     Registration,
     RegistrationHealth,
     RegistrationState,
@@ -65,23 +80,8 @@ from ._registration import (
     register_dynamic_engine,
     register_engine,
 )
-from ._router import Explanation, PickHandle, PickPair, Router, RouterHealth
-from ._routing import RoutingTable, watch_table
-from ._selector import Selector
-from ._session import Session
-from ._settings import Settings
-from ._signals import StopSignals, deregister_on_signals, drain_and_close
-from ._split import Split
-from ._store import EndpointEvent, EventType, RoutingSnapshot
-from ._unknown import UnknownValue
-from ._watcher import (
-    EndpointWatcher,
-    EngineListing,
-    ListedEngine,
-    WatcherHealth,
-    WatcherState,
-    list_engines,
-)
+from discovery._writes.session import Session
+from discovery._writes.signals import StopSignals, deregister_on_signals, drain_and_close
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """``python -m discovery``: the same as the ``discovery`` command."""
 
-from .cli import main
+from discovery.cli import main
 
 raise SystemExit(main())

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._record import EngineStatus
+from discovery._records.record import EngineStatus
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
-from ._codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, KeySpace
-from ._errors import ConfigurationError, InvalidRecordError
+from discovery._errors import ConfigurationError, InvalidRecordError
+from discovery._records.codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, KeySpace
 
 __all__ = ["ENV_PREFIX", "Settings"]
 

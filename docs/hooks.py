@@ -24,7 +24,7 @@ from typing import Any
 
 from mkdocs.structure.files import File, Files
 
-from discovery._record import field_table
+from discovery._records.record import field_table
 from discovery._settings import settings_table
 from discovery.cli import build_parser
 

@@ -5,7 +5,7 @@ Used by ``tests/test_failure_catalogue.py`` (the short form: one run per scenari
 runs, its figures in bench/RESULTS.md and the tables of docs/failures.md and README). One
 run of one scenario::
 
-    engines: stand-in engines (discovery/stand_in_engine.py, with a request port) under
+    engines: stand-in engines (discovery/testing/stand_in_engine.py, with a request port) under
       `discovery launch`, or `discovery register` processes (the engine is the registrar's
       process: its request port is its metrics port), on loopback or an engine host in a
       network namespace of its own
@@ -78,8 +78,8 @@ from discovery import (
     Settings,
     watch_table,
 )
-from discovery.embedded import EtcdCluster, EtcdMember
-from discovery.embedded_netns import EngineHost, PartitionableCluster
+from discovery.testing.embedded import EtcdCluster, EtcdMember
+from discovery.testing.embedded_netns import EngineHost, PartitionableCluster
 
 from .helpers import (
     STAND_IN,

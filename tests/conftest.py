@@ -8,10 +8,10 @@
   ``etcd`` parametrized with ``"container"`` (``tests.containers.both_etcds``) is a
   private etcd container instead.
 * ``netns_etcd3`` (per test): 3 members in network namespaces that the test may partition
-  (``discovery.embedded_netns``); skipped, with the reason, where namespaces cannot be
+  (``discovery.testing.embedded_netns``); skipped, with the reason, where namespaces cannot be
   built (not root, no iproute2). ``chaos_etcd3``: the same where it can be built, else 3
   loopback members and a warning.
-* ``memory_etcd``: an etcd in memory (``discovery.memory``), no process. ``store`` runs
+* ``memory_etcd``: an etcd in memory (``discovery.testing.memory``), no process. ``store`` runs
   a test twice, on the memory port and on the shared etcd (``private_store``: on a
   private member the test may stop); see ``Store``.
 
@@ -45,10 +45,10 @@ from typing import Any
 import pytest
 
 from discovery import Connection, EtcdPort, Settings
-from discovery._port import KeyValue
-from discovery.embedded import EtcdCluster
-from discovery.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
-from discovery.memory import MemoryEtcd, MemoryPort
+from discovery._etcd.port import KeyValue
+from discovery.testing.embedded import EtcdCluster
+from discovery.testing.embedded_netns import PartitionableCluster, leftovers, unavailable_reason
+from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
 from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from discovery.embedded import EtcdCluster, EtcdMember, _free_ports
+from discovery.testing.embedded import EtcdCluster, EtcdMember, _free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES_ENV = REPO / "deploy" / "images" / "images.env"

@@ -27,8 +27,8 @@ from discovery import (
     PrefixCachingCoordinatorPolicy,
     Settings,
 )
-from discovery._connection import Connection
-from discovery.embedded import EtcdCluster, EtcdMember
+from discovery._etcd.connection import Connection
+from discovery.testing.embedded import EtcdCluster, EtcdMember
 
 T = TypeVar("T")
 
@@ -233,11 +233,11 @@ class Registrar:
         self._log.close()
 
 
-# The stand-in engine (discovery/stand_in_engine.py) as ``discovery launch``'s COMMAND.
+# The stand-in engine (discovery/testing/stand_in_engine.py) as ``discovery launch``'s COMMAND.
 STAND_IN = [
     sys.executable,
     "-m",
-    "discovery.stand_in_engine",
+    "discovery.testing.stand_in_engine",
     "--dynamo-parent-event-address",
     "{event_address}",
 ]
@@ -291,13 +291,13 @@ class Launcher:
         return int(found.group(1))
 
     def guard_pid(self) -> int:
-        """The guard process: the launcher's child that runs _guard.py."""
+        """The guard process: the launcher's child that runs guard.py."""
         launcher = self.process.pid
 
         def find() -> int | None:
             for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
                 with contextlib.suppress(FileNotFoundError):  # a child that just ended
-                    if "_guard.py" in Path(f"/proc/{child}/cmdline").read_text():
+                    if "guard.py" in Path(f"/proc/{child}/cmdline").read_text():
                         return int(child)
             return None
 
@@ -319,7 +319,7 @@ class Launcher:
 
 
 def etcdctl(endpoints: Sequence[str], *args: str) -> subprocess.CompletedProcess:
-    from discovery.embedded import find_binary  # noqa: PLC0415
+    from discovery.testing.embedded import find_binary  # noqa: PLC0415
 
     return subprocess.run(
         [find_binary("etcdctl"), "--endpoints", ",".join(endpoints), *args],

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from discovery.embedded import _free_ports
+from discovery.testing.embedded import _free_ports
 
 from .helpers import wait_for
 

@@ -36,7 +36,7 @@ from discovery import (
     StopSignals,
     watch_table,
 )
-from discovery._store import Change, EngineStore
+from discovery._reads.store import Change, EngineStore
 
 from .helpers import make_endpoint
 

@@ -24,8 +24,8 @@ from discovery import (
     Router,
     Settings,
 )
-from discovery._kvstate import pack_hashes
-from discovery._record import EngineRecord
+from discovery._records.record import EngineRecord
+from discovery._state.kvstate import pack_hashes
 
 from .helpers import make_endpoint, wait_for
 from .test_fleet import fleet_of as fleet_of_engines

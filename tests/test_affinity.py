@@ -30,7 +30,7 @@ from discovery import (
     watch_table,
 )
 from discovery._metrics import NoMetrics
-from discovery._policies import session_hash
+from discovery._routing.policies import session_hash
 
 from .conftest import Store
 from .helpers import make_endpoint, run_cli

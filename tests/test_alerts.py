@@ -34,8 +34,8 @@ import pytest
 import yaml
 
 from discovery import Settings
-from discovery.embedded import EtcdCluster, _free_ports
-from discovery.embedded_netns import PartitionableCluster
+from discovery.testing.embedded import EtcdCluster, _free_ports
+from discovery.testing.embedded_netns import PartitionableCluster
 
 from .helpers import ChildLog, Registrar, cli_env, etcdctl, get_kv, wait_for
 from .prometheus import (
@@ -489,7 +489,7 @@ def test_every_dashboard_query_returns_series_and_a_stalled_engine_fires(
         launcher = spawn("launcher", _python(
             "-m", "discovery", "launch", "--engine-id", "engine-a", "--label", "model=demo",
             "--ttl", "10", "--stall-timeout", "2", "--metrics-port", port["discovery-launcher"],
-            "--", sys.executable, "-m", "discovery.stand_in_engine",
+            "--", sys.executable, "-m", "discovery.testing.stand_in_engine",
             "--dynamo-parent-event-address", "{event_address}", "--kv-events", "8",
             "--kv-rate", "2",
         ))  # fmt: skip

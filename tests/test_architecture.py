@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "discovery"
-ADAPTER = "discovery._connection"
+ADAPTER = "discovery._etcd.connection"
 CLIENT_MODULES = ("etcd3", "grpc", "google.protobuf")
 
 
@@ -120,7 +120,7 @@ def _library_use_of_the_cli() -> dict[str, list[str]]:
                 continue  # the package's public names
             parts = module.split(".")[1:]
             if module != "discovery" and not any(p.startswith("_") for p in parts):
-                continue  # a public module (discovery.embedded, discovery.stand_in_engine)
+                continue  # a public module (discovery.testing.embedded, discovery.embedded)
             private.setdefault(_module_name(path), []).append(f"{module}:{name}")
     return private
 
@@ -136,7 +136,7 @@ def test_the_public_name_rule_sees_private_imports() -> None:
 
 def test_only_the_factory_and_the_package_import_the_adapter() -> None:
     importers = {module for module, imports in MODULES.items() if ADAPTER in imports}
-    assert importers == {"discovery._transport", "discovery"}
+    assert importers == {"discovery._etcd.transport", "discovery"}
 
 
 def _calls(module: str, attribute: str) -> bool:
@@ -152,7 +152,7 @@ def _calls(module: str, attribute: str) -> bool:
 def test_one_watch_loop() -> None:
     """Only the list-watch loop opens watches (the port and its adapters define them)."""
     openers = {m for m in MODULES if _calls(m, "open_watch")}
-    assert openers == {"discovery._reflector"}
+    assert openers == {"discovery._etcd.reflector"}
 
 
 def test_one_backoff_policy() -> None:
@@ -163,3 +163,86 @@ def test_one_backoff_policy() -> None:
         assert not _calls(module, "uniform"), f"{module} draws its own jittered delay"
         waits = {i for i in imports if i.startswith("tenacity.wait")}
         assert not waits, f"{module} builds its own tenacity wait: {sorted(waits)}"
+
+
+# The rooms (docs/architecture.md): each may import the rooms listed for it, the foundations
+# and itself. The package's __init__ may import any room; the test support anything.
+FOUNDATIONS = {
+    "discovery._errors": {"discovery._errors"},
+    "discovery._backoff": set(),
+    "discovery._dispatch": set(),
+    "discovery._settings": {"discovery._errors", "discovery._records"},
+    "discovery._metrics": {"discovery._records"},
+}
+ROOMS = {
+    "discovery._records": {"discovery._errors"},
+    "discovery._etcd": {*FOUNDATIONS, "discovery._records"},
+    "discovery._writes": {*FOUNDATIONS, "discovery._records", "discovery._etcd"},
+    "discovery._reads": {*FOUNDATIONS, "discovery._records", "discovery._etcd"},
+    "discovery._state": {*FOUNDATIONS, "discovery._records", "discovery._etcd", "discovery._reads"},
+    "discovery._routing": {
+        *FOUNDATIONS,
+        *("discovery._records", "discovery._etcd", "discovery._writes", "discovery._reads"),
+        "discovery._state",
+    },
+    "discovery._engine": {
+        *FOUNDATIONS,
+        *("discovery._records", "discovery._etcd", "discovery._writes", "discovery._state"),
+    },
+}
+TEST_SUPPORT = "discovery.testing"
+# Old paths of the test support's public modules: shims re-exporting discovery.testing.*
+SHIMS = {
+    "discovery.memory",
+    "discovery.embedded",
+    "discovery.embedded_netns",
+    "discovery.stand_in_engine",
+    "discovery.stand_in_wire",
+    "discovery.stand_in_coordinator",
+    "discovery.stand_in_client",
+}
+
+
+def _room(module: str) -> str | None:
+    """The room or foundation ``module`` belongs to (None: the package, the CLI, shims)."""
+    for room in (*ROOMS, *FOUNDATIONS, TEST_SUPPORT):
+        if module == room or module.startswith(room + "."):
+            return room
+    return None
+
+
+def test_every_module_is_in_a_room() -> None:
+    loose = {
+        m
+        for m in MODULES
+        if _room(m) is None
+        and m not in SHIMS
+        and m not in {"discovery", "discovery.__main__"}
+        and not m.startswith("discovery.cli")
+    }
+    assert not loose, f"modules outside every room: {sorted(loose)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m) in {*ROOMS, *FOUNDATIONS}))
+def test_rooms_import_only_the_rooms_below(module: str) -> None:
+    room = _room(module)
+    assert room is not None
+    allowed = {room} | (ROOMS.get(room) or FOUNDATIONS[room])
+    ours = {i for i in MODULES[module] if i.startswith("discovery.") and i in MODULES}
+    wrong = {i for i in ours if _room(i) not in allowed}
+    assert not wrong, f"{module} ({room}) imports {sorted(wrong)}; it may import {sorted(allowed)}"
+
+
+def test_nothing_but_tests_the_cli_and_the_demo_imports_the_test_support() -> None:
+    for module, imports in MODULES.items():
+        if _room(module) == TEST_SUPPORT or module.startswith("discovery.cli") or module in SHIMS:
+            continue
+        support = {i for i in imports if _room(i) == TEST_SUPPORT or i in SHIMS}
+        assert not support, f"{module} imports the test support: {sorted(support)}"
+
+
+def test_the_room_rule_sees_a_wrong_import() -> None:
+    router = "discovery._routing.router"
+    assert _room(router) == "discovery._routing"
+    assert "discovery._engine" not in ROOMS["discovery._routing"]
+    assert _room("discovery._engine.launch") == "discovery._engine"

@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 
 from discovery import Connection, Settings
-from discovery.embedded import EtcdCluster, EtcdMember
-from discovery.embedded_netns import PartitionableCluster
+from discovery.testing.embedded import EtcdCluster, EtcdMember
+from discovery.testing.embedded_netns import PartitionableCluster
 
 from .helpers import Registrar, cli_env, raw_call, wait_for
 

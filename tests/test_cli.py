@@ -13,7 +13,7 @@ import time
 import pytest
 
 from discovery import Settings, register_engine
-from discovery._record import EngineRecord
+from discovery._records.record import EngineRecord
 from discovery.cli import build_parser
 from discovery.cli._args import settings_argv, settings_from_args
 

@@ -24,8 +24,8 @@ from discovery import (
     PrefixCachingCoordinatorPolicy,
     RecordDecodeError,
 )
-from discovery._codec import decode, encode
-from discovery._record import validate_engine_id, validate_labels
+from discovery._records.codec import decode, encode
+from discovery._records.record import validate_engine_id, validate_labels
 
 from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from discovery.embedded import _free_ports, find_binary
+from discovery.testing.embedded import _free_ports, find_binary
 
 from .deploy_checks import PREFIX, roles_let_through
 from .helpers import wait_for

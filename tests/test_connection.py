@@ -21,7 +21,7 @@ from discovery import (
     PermissionDeniedError,
     Settings,
 )
-from discovery._connection import is_transient, translate
+from discovery._etcd.connection import is_transient, translate
 
 from .helpers import connected_member, wait_for
 

@@ -40,10 +40,10 @@ import yaml
 from kubernetes_validate import SchemaNotFoundError, ValidationError
 
 from discovery import ConfigurationError, InferenceEngineEndpoint, Settings
-from discovery._record import validate_engine_id, validate_labels
+from discovery._records.record import validate_engine_id, validate_labels
 from discovery._settings import env_names
 from discovery.cli import build_parser
-from discovery.embedded import EtcdCluster, ServerTLS, find_binary
+from discovery.testing.embedded import EtcdCluster, ServerTLS, find_binary
 
 from .containers import image_names
 from .deploy_checks import PREFIX, denied, roles_let_through

@@ -16,7 +16,7 @@ import yaml
 
 import discovery
 from discovery import Settings, register_engine
-from discovery._record import STORED
+from discovery._records.record import STORED
 from discovery._settings import env_names
 from discovery.cli import build_parser
 
@@ -159,12 +159,12 @@ def test_every_public_name_is_documented_and_typed() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "discovery.embedded",
-        "discovery.memory",
-        "discovery.stand_in_engine",
-        "discovery.stand_in_wire",
-        "discovery.stand_in_coordinator",
-        "discovery.stand_in_client",
+        "discovery.testing.embedded",
+        "discovery.testing.memory",
+        "discovery.testing.stand_in_engine",
+        "discovery.testing.stand_in_wire",
+        "discovery.testing.stand_in_coordinator",
+        "discovery.testing.stand_in_client",
     ],
 )
 def test_test_support_modules_are_not_imported_by_the_library(module: str) -> None:
@@ -176,11 +176,11 @@ def test_test_support_modules_are_not_imported_by_the_library(module: str) -> No
 
 
 def test_the_memory_port_is_documented() -> None:
-    import discovery.memory  # noqa: PLC0415
+    import discovery.testing.memory  # noqa: PLC0415
 
-    assert inspect.getdoc(discovery.memory)
-    for name in discovery.memory.__all__:
-        cls = getattr(discovery.memory, name)
+    assert inspect.getdoc(discovery.testing.memory)
+    for name in discovery.testing.memory.__all__:
+        cls = getattr(discovery.testing.memory, name)
         assert inspect.getdoc(cls), f"{name} has no docstring"
         for attr, member in vars(cls).items():
             if not attr.startswith("_") and (callable(member) or isinstance(member, property)):
@@ -257,10 +257,10 @@ def test_readme_links_resolve() -> None:
 
 def test_the_api_reference_covers_every_public_name() -> None:
     api = (DOCS / "reference" / "api.md").read_text()
-    documented = re.findall(r"^::: discovery\.(\w+)$", api, re.M)
+    documented = re.findall(r"^::: discovery\.([\w.]+)$", api, re.M)
     assert sorted(set(discovery.__all__) - set(documented)) == [], "docs/reference/api.md"
-    # and the test support's public module, discovery.memory
-    assert sorted(set(documented) - set(discovery.__all__)) == ["memory"]
+    # and the test support's public module, discovery.testing.memory
+    assert sorted(set(documented) - set(discovery.__all__)) == ["testing.memory"]
 
 
 @pytest.mark.external  # mkdocs in a process of its own

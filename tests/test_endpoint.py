@@ -25,7 +25,7 @@ from discovery import (
     PrefixCachingCoordinatorPolicy,
     UnknownValue,
 )
-from discovery._codec import encode
+from discovery._records.codec import encode
 
 from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
 

@@ -28,9 +28,9 @@ from discovery import (
     register_engine,
     undrain,
 )
-from discovery._events import READY_SHAPES, decode_frame, parse_ready
-from discovery.stand_in_engine import default_endpoint, nested_ready
-from discovery.stand_in_engine import main as stand_in_main
+from discovery._engine.events import READY_SHAPES, decode_frame, parse_ready
+from discovery.testing.stand_in_engine import default_endpoint, nested_ready
+from discovery.testing.stand_in_engine import main as stand_in_main
 
 from .conftest import Store
 from .helpers import (

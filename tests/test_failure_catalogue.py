@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from discovery import Settings
-from discovery.embedded import EtcdCluster
+from discovery.testing.embedded import EtcdCluster
 
 from . import catalogue
 from .catalogue import SCENARIOS, SHORT, Env

@@ -68,7 +68,7 @@ def fleet() -> Fleet:
 def test_consecutive_failures_fence_with_a_growing_backoff(fleet: Fleet, caplog) -> None:
     clock = Clock()
     router = Router(fleet.table, policy="round_robin", clock=clock, fence_max_seconds=30)
-    with caplog.at_level(logging.WARNING, logger="discovery._fencing"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.fencing"):
         fail(router, "e001", 2)
         assert router.health().fenced == {}, "two failures in a row do not fence"
         assert router.health().failing == {"e001": 2}
@@ -152,7 +152,7 @@ def test_fencing_never_takes_more_than_the_share(fleet: Fleet, caplog) -> None:
     assert router.health().fence_limit == 2
     fail(router, "e000", 3)
     fail(router, "e001", 3)
-    with caplog.at_level(logging.WARNING, logger="discovery._fencing"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.fencing"):
         fail(router, "e002", 5)  # past the limit: stays in rotation
     health = router.health()
     assert set(health.fenced) == {"e000", "e001"}
@@ -192,7 +192,7 @@ def test_a_pick_whose_candidates_are_mostly_fenced_ignores_fencing(caplog) -> No
     assert set(router.health().fenced) == {"a1", "a2"}
     assert set(picked(router)) == {"b1", "b2"}
     # Zone a has only fenced engines: rather than fail, that pick uses them (panic mode).
-    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.router"):
         assert set(picked(router, selector={"zone": "a"})) == {"a1", "a2"}
     assert "2 of 2 candidate engines are fenced" in caplog.text
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from discovery.embedded import find_binary
-from discovery.embedded_netns import leftovers, sweep_stale
+from discovery.testing.embedded import find_binary
+from discovery.testing.embedded_netns import leftovers, sweep_stale
 
 from .containers import DOCKER_OUTCOMES, docker_problem
 from .helpers import wait_for
@@ -140,7 +140,7 @@ def test_an_engine_host_reaches_etcd_until_cut(netns_etcd3, tmp_path: Path) -> N
 
 _OWNER = """
 import sys, time
-from discovery.embedded_netns import PartitionableCluster
+from discovery.testing.embedded_netns import PartitionableCluster
 cluster = PartitionableCluster(3).start()
 pids = [m.pid for m in cluster.members] + [cluster.network._reaper.pid]
 print(cluster.prefix, *pids, flush=True)

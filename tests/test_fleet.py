@@ -33,8 +33,8 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery.stand_in_client import InferenceClient
-from discovery.stand_in_coordinator import (
+from discovery.testing.stand_in_client import InferenceClient
+from discovery.testing.stand_in_coordinator import (
     MegatronEngineState,
     StandInCoordinator,
     generated_tokens,

@@ -27,7 +27,7 @@ from discovery import (
     handoff_problem,
     undrain,
 )
-from discovery._codec import encode
+from discovery._records.codec import encode
 from discovery.cli._commands import format_event
 
 from .conftest import Store

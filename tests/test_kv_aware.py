@@ -24,7 +24,7 @@ from discovery import (
     drain,
     watch_table,
 )
-from discovery.stand_in_engine import default_endpoint
+from discovery.testing.stand_in_engine import default_endpoint
 
 from .helpers import RankZero, wait_for
 

@@ -24,9 +24,9 @@ from discovery import (
     list_engines,
     watch_table,
 )
-from discovery._launch import check_command
+from discovery._engine.launch import check_command
 from discovery.cli import build_parser
-from discovery.stand_in_engine import default_endpoint
+from discovery.testing.stand_in_engine import default_endpoint
 
 from .helpers import (
     STAND_IN,

@@ -28,7 +28,7 @@ from discovery import (
     undrain,
     watch_table,
 )
-from discovery._registration import _TRANSITIONS, _Event
+from discovery._writes.registration import _TRANSITIONS, _Event
 
 from .conftest import Store
 from .helpers import (

@@ -31,7 +31,7 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery.stand_in_engine import default_endpoint
+from discovery.testing.stand_in_engine import default_endpoint
 
 from .helpers import STAND_IN, ChildLog, Launcher, WatchLog, cli_env, get_kv, run_cli, wait_for
 from .test_endpoint import MAIN_POLICIES, RELEASED_POLICIES, megatron_from_dict

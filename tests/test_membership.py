@@ -30,7 +30,7 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery.embedded import EtcdCluster, EtcdMember
+from discovery.testing.embedded import EtcdCluster, EtcdMember
 
 from .helpers import Registrar, TcpForwarder, WatchLog, get_kv, make_endpoint, wait_for
 from .test_proxy import checked_proxy

@@ -25,8 +25,8 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery._port import Compacted, NoLeaderError, WatchStream
-from discovery.memory import MemoryEtcd, MemoryPort
+from discovery._etcd.port import Compacted, NoLeaderError, WatchStream
+from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .helpers import make_endpoint, wait_for
 from .test_port_conformance import Reader

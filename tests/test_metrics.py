@@ -27,8 +27,8 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery._codec import encode
-from discovery._record import EngineRecord
+from discovery._records.codec import encode
+from discovery._records.record import EngineRecord
 
 from .conftest import Store
 from .helpers import cli_env, make_endpoint, raw_call, run_cli, wait_for
@@ -287,6 +287,8 @@ def test_json_log_lines(settings: Settings) -> None:
     records = [json.loads(line) for line in lines]  # every line, the last one included
     for record in records:
         assert set(record) >= {"time", "level", "logger", "message"}
-    assert any(r["level"] == "WARNING" and r["logger"] == "discovery._connection" for r in records)
+    assert any(
+        r["level"] == "WARNING" and r["logger"] == "discovery._etcd.connection" for r in records
+    )
     assert records[-1]["level"] == "ERROR"
     assert records[-1]["message"].startswith("discovery list: etcd unavailable")

@@ -33,7 +33,7 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery._kvstate import pack_hashes
+from discovery._state.kvstate import pack_hashes
 
 from .conftest import Store
 from .helpers import make_endpoint, make_layout, wait_for

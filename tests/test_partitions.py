@@ -31,10 +31,10 @@ from discovery import (
     WatcherState,
     register_engine,
 )
-from discovery._codec import encode
-from discovery._record import EngineRecord
-from discovery.embedded import EtcdMember
-from discovery.embedded_netns import PartitionableCluster
+from discovery._records.codec import encode
+from discovery._records.record import EngineRecord
+from discovery.testing.embedded import EtcdMember
+from discovery.testing.embedded_netns import PartitionableCluster
 
 from .helpers import (
     Registrar,

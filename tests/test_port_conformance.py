@@ -1,6 +1,6 @@
 """One contract, two implementations: the in-memory port and the etcd adapter.
 
-Every test runs against ``discovery.memory.MemoryPort`` and against ``Connection`` on the
+Every test runs against ``discovery.testing.memory.MemoryPort`` and against ``Connection`` on the
 real etcd of the fixtures (keys under the test's own prefix; the compaction tests compact
 that shared etcd, which only ends watches and listings from older revisions). What the
 memory port promises is what these tests pin down of the adapter.
@@ -24,7 +24,7 @@ from discovery import (
     EtcdUnavailableError,
     Settings,
 )
-from discovery._port import (
+from discovery._etcd.port import (
     MAX_BATCH,
     Compacted,
     EtcdPort,
@@ -33,7 +33,7 @@ from discovery._port import (
     WatchResponse,
     is_transient,
 )
-from discovery.memory import MemoryEtcd, MemoryPort
+from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .conftest import STORES
 from .helpers import raw_call

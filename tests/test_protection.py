@@ -25,8 +25,8 @@ from discovery import (
     PrefixCachingCoordinatorPolicy,
     Router,
 )
-from discovery._kvstate import pack_hashes
-from discovery._record import EngineRecord
+from discovery._records.record import EngineRecord
+from discovery._state.kvstate import pack_hashes
 
 from .helpers import make_endpoint, wait_for
 from .test_router import Fleet
@@ -100,7 +100,7 @@ def test_a_mass_lease_loss_keeps_every_engine_routable_as_unconfirmed(caplog) ->
     remove(fleet, "e0")  # 1 of 4: evicted
     assert pickable(router) == {"e1", "e2", "e3"}
     clock.now += 5
-    with caplog.at_level(logging.WARNING, logger="discovery._protection"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.protection"):
         remove(fleet, "e1", "e2")  # 3 of 4 within the window: a mass loss
         assert pickable(router) == {"e0", "e1", "e2", "e3"}
     assert "3 of 4 ready engines lost their records within 30 s" in caplog.text

@@ -30,7 +30,7 @@ import pytest
 from etcd3 import etcdrpc
 
 from discovery import EndpointWatcher, EventType, RoutingTable, Settings, register_engine
-from discovery.embedded import EtcdCluster, EtcdGrpcProxy, find_binary
+from discovery.testing.embedded import EtcdCluster, EtcdGrpcProxy, find_binary
 
 from .helpers import etcdctl, make_endpoint, wait_for
 from .test_watcher import Recorder

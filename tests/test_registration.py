@@ -30,7 +30,7 @@ from discovery import (
     register_dynamic_engine,
     register_engine,
 )
-from discovery._codec import KeySpace
+from discovery._records.codec import KeySpace
 
 from .conftest import Store
 from .containers import both_etcds

@@ -1,6 +1,6 @@
 """The engine-state relay and the routers' view of it, over real ZeroMQ sockets.
 
-The relay (``discovery._relay``) serves one engine's block set; ``EngineStates`` follows a
+The relay (``discovery._state.relay``) serves one engine's block set; ``EngineStates`` follows a
 routing table's engines. No etcd here: the table is fed by hand (the store's own API), so
 what is tested is the relay protocol, the resynchronisation and the views.
 """
@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from discovery import EngineStates, RoutingTable
-from discovery._kvstate import BlockSet, kv_change, pack_hashes, unpack_hashes
-from discovery._record import EngineRecord
-from discovery._relay import StateRelay
-from discovery._store import EngineStore, Entry
+from discovery._reads.store import EngineStore, Entry
+from discovery._records.record import EngineRecord
+from discovery._state.kvstate import BlockSet, kv_change, pack_hashes, unpack_hashes
+from discovery._state.relay import StateRelay
 
 from .helpers import make_endpoint, wait_for
 

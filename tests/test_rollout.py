@@ -34,10 +34,10 @@ from discovery import (
     register_engine,
     resume,
 )
-from discovery._codec import KeySpace, encode
-from discovery._connection import Connection
-from discovery._record import EngineRecord
-from discovery._store import Change, EngineStore
+from discovery._etcd.connection import Connection
+from discovery._reads.store import Change, EngineStore
+from discovery._records.codec import KeySpace, encode
+from discovery._records.record import EngineRecord
 from discovery.cli._commands import format_event
 
 from .helpers import (

@@ -50,9 +50,9 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery._kvstate import pack_hashes
-from discovery._record import EngineRecord
-from discovery._store import Change, EngineStore
+from discovery._reads.store import Change, EngineStore
+from discovery._records.record import EngineRecord
+from discovery._state.kvstate import pack_hashes
 
 from .conftest import Store
 from .helpers import make_endpoint
@@ -284,7 +284,7 @@ def test_first_prefix_block_is_deterministic_across_processes() -> None:
 
 
 def test_block_hashes_are_chained_and_pinned() -> None:
-    from discovery._policies import _block_hashes, _first_block_key  # noqa: PLC0415
+    from discovery._routing.policies import _block_hashes, _first_block_key  # noqa: PLC0415
 
     prompt = list(range(40))
     chain = _block_hashes(prompt, 16)
@@ -790,7 +790,7 @@ def test_an_unknown_advertised_policy_is_load_balanced_logged_once_per_value_and
     fleet = Fleet()
     fleet.add_many(2, policy=UnknownValue("weighted_prefix"))
     prompt = list(range(600))
-    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.router"):
         router = Router(fleet.table, metrics=discovery.Metrics(registry))
         chosen = picks(router, prompt, 8)
         fleet.add("e000", 0, policy=UnknownValue("weighted_prefix"), max_num_seqs=32)
@@ -826,7 +826,7 @@ def test_auto_never_mixes_hash_spaces_silently(second, caplog) -> None:
     fleet.add("b", 1, labels={"pool": "y"}, **second)
     router = Router(fleet.table)
     prompt = list(range(600))
-    with caplog.at_level(logging.WARNING, logger="discovery._router"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.router"):
         chosen = picks(router, prompt, 10)
         policies = {router.pick(prompt, 1).policy for _ in range(3)}
     assert policies == {RoutingPolicy.LOAD_BALANCED}
@@ -845,7 +845,7 @@ def test_explicit_first_prefix_block_hashes_the_smallest_block(caplog) -> None:
     fleet.add("b", 1, kv_cache_block_size=32)
     router = Router(fleet.table, policy="first_prefix_block")
     rng = random.Random(2)
-    with caplog.at_level(logging.WARNING, logger="discovery._policies"):
+    with caplog.at_level(logging.WARNING, logger="discovery._routing.policies"):
         for _ in range(20):
             first = tokens(rng, 16)
             assert len(set(picks(router, first + tokens(rng, 40), 3))) == 1
@@ -1122,8 +1122,8 @@ def no_hashing(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("an image request's prompt was hashed")
 
-    import discovery._policies as policies  # noqa: PLC0415
-    import discovery._router as router_module  # noqa: PLC0415
+    import discovery._routing.policies as policies  # noqa: PLC0415
+    import discovery._routing.router as router_module  # noqa: PLC0415
 
     for name in ("_block_hashes", "_first_block_key"):
         monkeypatch.setattr(policies, name, refuse)

@@ -26,8 +26,8 @@ from discovery import (
     register_engine,
     undrain,
 )
-from discovery._codec import KeySpace, encode
-from discovery._record import EngineRecord
+from discovery._records.codec import KeySpace, encode
+from discovery._records.record import EngineRecord
 
 from .conftest import Store
 from .helpers import MEGATRON_FIELDS, caps_kwargs, make_endpoint, wait_for
@@ -55,8 +55,8 @@ PROBE = """
 import json, sys
 from discovery import EndpointEvent, EventType, InferenceEngineCapabilities as C
 from discovery import InferenceEngineEndpoint as E, InvalidRecordError
-from discovery._codec import KeySpace, encode
-from discovery._record import EngineRecord, field_table, record_schema
+from discovery._records.codec import KeySpace, encode
+from discovery._records.record import EngineRecord, field_table, record_schema
 from discovery.cli._commands import format_event
 
 endpoint = E("tcp://a:1", C(8192, 256, 100, 8, 4096, 1, True))

@@ -29,7 +29,7 @@ from discovery import (
     register_engine,
     watch_table,
 )
-from discovery.embedded import EtcdCluster, ServerTLS
+from discovery.testing.embedded import EtcdCluster, ServerTLS
 
 from .conftest import _checked_cluster
 from .helpers import TcpForwarder, cli_env, make_endpoint, wait_for
@@ -469,7 +469,7 @@ def test_json_log_format_keeps_every_stderr_line_json_when_tls_fails(
     # Our own warning about the failure is there...
     assert any(
         r["level"] == "WARNING"
-        and r["logger"] == "discovery._connection"
+        and r["logger"] == "discovery._etcd.connection"
         and "CERTIFICATE_VERIFY_FAILED" in r["message"]
         for r in records
     ), records

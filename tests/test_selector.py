@@ -19,7 +19,7 @@ from discovery import (
     InvalidSelectorError,
     Selector,
 )
-from discovery._selector import selector_of
+from discovery._records.selector import selector_of
 
 from .helpers import make_endpoint
 

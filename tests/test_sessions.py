@@ -21,7 +21,7 @@ from discovery import (
     deregister,
     register_engine,
 )
-from discovery.memory import MemoryEtcd, MemoryPort
+from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .conftest import Store
 from .helpers import losses_after_a_mass_loss, make_endpoint, wait_for

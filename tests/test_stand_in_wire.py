@@ -29,14 +29,14 @@ import pytest
 import zmq
 
 from discovery import Settings, block_hashes
-from discovery.stand_in_client import InferenceClient, serialize_multimodal_data
-from discovery.stand_in_coordinator import (
+from discovery.testing.stand_in_client import InferenceClient, serialize_multimodal_data
+from discovery.testing.stand_in_coordinator import (
     CoordinatorState,
     MegatronEngineState,
     StandInCoordinator,
     generated_tokens,
 )
-from discovery.stand_in_wire import (
+from discovery.testing.stand_in_wire import (
     Headers,
     SamplingParams,
     Submit,
@@ -426,7 +426,7 @@ def test_the_client_reads_replies_built_as_megatrons_coordinator_builds_them(cap
             assert (await last)["last"] and not client.aborted_request_ids
 
     try:
-        with caplog.at_level(logging.WARNING, logger="discovery.stand_in_client"):
+        with caplog.at_level(logging.WARNING, logger="discovery.testing.stand_in_client"):
             run(body())
         assert "request 99, which this client does not know" in caplog.text
         assert "not msgpack" in caplog.text
@@ -755,7 +755,7 @@ def test_a_hand_off_megatron_refuses_is_dropped(
             assert answered["generated_tokens"][0] == 40
             assert not refused.done()  # the engine takes messages in order: it dropped it
 
-    with caplog.at_level(logging.WARNING, logger="discovery.stand_in_coordinator"):
+    with caplog.at_level(logging.WARNING, logger="discovery.testing.stand_in_coordinator"):
         run(body())
     assert "dropped SUBMIT_REQUEST_WITH_KV" in caplog.text
     assert co.requests_held() == []
@@ -866,7 +866,7 @@ def test_stop_ends_the_engine_then_the_coordinator(caplog) -> None:
             await eventually(lambda: "no reachable engines" in caplog.text, message="the end")
 
     try:
-        with caplog.at_level(logging.INFO, logger="discovery.stand_in_coordinator"):
+        with caplog.at_level(logging.INFO, logger="discovery.testing.stand_in_coordinator"):
             run(body())
     finally:
         co.close()
@@ -880,7 +880,7 @@ def test_shutdown_ends_the_coordinator_not_the_engine(coordinator, caplog) -> No
             client.shutdown_coordinator()
             await eventually(lambda: "SHUTDOWN" in caplog.text, message="the shutdown")
 
-    with caplog.at_level(logging.INFO, logger="discovery.stand_in_coordinator"):
+    with caplog.at_level(logging.INFO, logger="discovery.testing.stand_in_coordinator"):
         run(body())
     assert co.engine_state is MegatronEngineState.RUNNING
 
@@ -904,7 +904,7 @@ def test_a_silent_coordinator_holds_everything_until_it_talks(coordinator) -> No
 
 
 class StandInProcess:
-    """``python -m discovery.stand_in_engine`` with a parent socket of the test's own."""
+    """``python -m discovery.testing.stand_in_engine`` with a parent socket of the test's own."""
 
     def __init__(self, *flags: str) -> None:
         self.context = zmq.Context()

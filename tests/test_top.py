@@ -182,7 +182,7 @@ def _launch(settings: Settings, engine_id: str, log: ChildLog) -> subprocess.Pop
         [
             sys.executable, "-m", "discovery", "launch", "--engine-id", engine_id,
             "--label", "model=relay", "--ttl", "5",
-            "--", sys.executable, "-m", "discovery.stand_in_engine",
+            "--", sys.executable, "-m", "discovery.testing.stand_in_engine",
             "--dynamo-parent-event-address", "{event_address}", "--kv-events", "6",
         ],
         env=cli_env(settings),

@@ -19,8 +19,8 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from discovery import Candidate, KeySpace, RecordDecodeError, record_schema
-from discovery._codec import _exact_record, _fast_record, _wire_decoder, encode
-from discovery._record import STORED
+from discovery._records.codec import _exact_record, _fast_record, _wire_decoder, encode
+from discovery._records.record import STORED
 from discovery.cli import main
 
 from .test_endpoint import megatron_from_dict

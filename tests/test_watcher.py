@@ -35,8 +35,8 @@ from discovery import (
     list_engines,
     watch_table,
 )
-from discovery._codec import encode
-from discovery._record import EngineRecord
+from discovery._records.codec import encode
+from discovery._records.record import EngineRecord
 
 from .conftest import Store
 from .containers import both_etcds

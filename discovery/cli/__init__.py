@@ -11,7 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .. import ConfigurationError, DiscoveryError, InvalidRecordError
+from discovery import ConfigurationError, DiscoveryError, InvalidRecordError
+
 from ._args import (
     UsageError,
     add_endpoint_flags,

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .. import (
+from discovery import (
     EngineRecord,
     EngineRole,
     InferenceEngineCapabilities,
@@ -32,6 +32,7 @@ from .. import (
     Split,
     launch,
 )
+
 from ._logging import log_level
 
 log = logging.getLogger("discovery.cli")

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from .. import (
+from discovery import (
     Connection,
     EndpointEvent,
     EndpointWatcher,
@@ -39,6 +39,7 @@ from .. import (
     undrain,
     watch_table,
 )
+
 from ._args import (
     UsageError,
     endpoint_from_args,

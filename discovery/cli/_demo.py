@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .. import (
+from discovery import (
     EndpointEvent,
     EngineEventReceiver,
     EngineStatus,
@@ -41,7 +41,8 @@ from .. import (
     Settings,
     watch_table,
 )
-from ..stand_in_engine import default_endpoint, nested_ready
+from discovery.testing.stand_in_engine import default_endpoint, nested_ready
+
 from ._args import (
     UsageError,
     etcd_configured,
@@ -73,7 +74,7 @@ def _etcd(args: argparse.Namespace, started: float) -> Iterator[Settings]:
         _say(started, f"using etcd at {', '.join(settings.endpoints)}")
         yield settings
         return
-    from ..embedded import EtcdCluster  # noqa: PLC0415 - only the demo needs it
+    from discovery.testing.embedded import EtcdCluster  # noqa: PLC0415 - only the demo needs it
 
     with EtcdCluster(1) as cluster:
         _say(started, f"no etcd configured: started an embedded etcd at {cluster.endpoints[0]}")
@@ -104,7 +105,7 @@ def _engine_command(index: int, settings: Settings, ttl: float) -> list[str]:
         "--stall-timeout", str(_STALL_TIMEOUT),
         *settings_argv(settings),
         "--log-level", "WARNING",
-        "--", sys.executable, "-m", "discovery.stand_in_engine",
+        "--", sys.executable, "-m", "discovery.testing.stand_in_engine",
         "--dynamo-parent-event-address", "{event_address}",
         "--ready", json.dumps(ready),
     ]  # fmt: skip
@@ -271,7 +272,7 @@ def _show_a_pair(table: RoutingTable, started: float) -> None:
 
 def _print_inspection(settings: Settings, started: float) -> None:
     try:
-        from ..embedded import find_binary  # noqa: PLC0415
+        from discovery.testing.embedded import find_binary  # noqa: PLC0415
 
         etcdctl = find_binary("etcdctl")
     except (ImportError, FileNotFoundError):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import (
+from discovery import (
     Connection,
     EngineRecord,
     EngineRole,
@@ -49,6 +49,7 @@ from .. import (
     list_engines,
     watch_table,
 )
+
 from ._args import UsageError, add_selector_flag, add_split_flag
 
 if TYPE_CHECKING:

@@ -1,0 +1,1046 @@
+"""The fleet client: Megatron requests sent through the router, one client per engine.
+
+``FleetClient(router)`` follows the router's engines: for each, one client made by
+``client_factory`` (default: Megatron's own ``InferenceClient``, imported when first
+needed; any class with its methods will do, such as ``discovery.testing.stand_in_client``'s),
+opened when the engine appears (its handshake off the event loop) and stopped when it
+leaves. Asyncio first: every method runs on the event loop the client was started on.
+
+**Requests.** ``add_request(prompt, sampling_params, ...)`` returns an asyncio future of the
+engine's reply, as Megatron's does; ``add_request_streaming`` an async iterator of
+``{"partial": ...}`` items then one ``{"final": ...}``. Each request is routed by the router
+(the prompt's tokens for affinity, ``session_key``, images go by load; a pick that must wait
+for room, admission's, waits as ``apick`` does) and sent through the chosen engine's client;
+``add_request`` runs on callbacks of the engine's reply (no task per request). Its handle is
+released when the reply comes (a reply, whatever its status, is an engine that answered),
+and released as failed when the engine is lost first (``PickHandle.wait_lost``: removed,
+stalled, stopping, fenced, unconfirmed and dead; or its client stopped because its record
+left or moved, which may come first). A request whose engine is lost before
+anything came back is aborted there and sent once more to another engine (excluding the
+lost one); a stream that already gave tokens fails with ``RequestLostError`` saying how
+many (``resend=False``: every loss fails). Cancelling the future, or closing the stream,
+aborts the request on its engine.
+
+**Disaggregated requests.** When the router sees decode engines, a request is a pair
+(``Router.pick_pair``): the prompt to the prefill engine with ``do_kv_handoff`` and one
+token, then ``add_request_with_kv_handoff(prompt, params, kv_meta, block_ids)`` to the
+decode engine, then ``release_handoff`` of the prefill engine's request (after the decode
+engine's reply, or its first partial). An aggregated engine may take a short or cached
+prompt alone (conditional disaggregation, ``discovery._routing.pairs``).
+
+**Fleet control for refits** (``pause``, ``suspend``, ``resume``, ``set_generation_epoch``,
+over every engine or a selector): Megatron's signals through the engines' clients and
+discovery's status and weight version (``discovery.pause`` / ``resume``), in the order that
+never lets a router send to an engine that is pausing (the record is ``paused`` before the
+signal goes) or to an older version once a newer one is ready (the epoch is set, then the
+engine unpaused, then its record says ``ready`` on the new version, in one write).
+Megatron acknowledges no signal on the wire; each call reports, engine by engine, what it
+could not do (``ControlResult``), and never leaves a record ready on an engine it did not
+resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
+
+from discovery._errors import ConfigurationError, DiscoveryError, NoEngineAvailableError
+from discovery._etcd.port import EtcdPort
+from discovery._records.handoff import EngineRole
+from discovery._records.record import EngineRecord, EngineStatus
+from discovery._routing.router import PickHandle, PickPair, Router
+from discovery._settings import Settings
+from discovery._writes.operators import pause as mark_paused
+from discovery._writes.operators import resume as mark_ready
+from discovery._writes.operators import set_weight_version
+
+__all__ = ["ControlResult", "FleetClient", "RequestLostError"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+
+
+class EngineClient(Protocol):
+    """What the fleet client calls on an engine's client (Megatron's ``InferenceClient``)."""
+
+    next_request_id: int
+
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop | None = ...,
+        connect_timeout_seconds: float | None = ...,
+    ) -> None: ...
+
+    def add_request(
+        self, prompt: Any, sampling_params: Any, *, multi_modal_data: Any = ...
+    ) -> asyncio.Future[Any]: ...
+
+    def add_request_streaming(
+        self, prompt: Any, sampling_params: Any, *, multi_modal_data: Any = ...
+    ) -> AsyncIterator[Any]: ...
+
+    def add_request_with_kv_handoff(
+        self, prompt: Any, sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> asyncio.Future[Any]: ...
+
+    def add_request_with_kv_handoff_streaming(
+        self, prompt: Any, sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> AsyncIterator[Any]: ...
+
+    def release_handoff(self, request_id: int) -> None: ...
+
+    def abort_request(self, request_id: int) -> None: ...
+
+    def pause_engines(self) -> None: ...
+
+    def unpause_engines(self) -> None: ...
+
+    def suspend_engines(self) -> None: ...
+
+    def resume_engines(self) -> None: ...
+
+    def set_generation_epoch(self, generation_epoch: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+ClientFactory = Callable[[str], EngineClient]
+
+
+def megatron_client(address: str) -> EngineClient:
+    """Megatron's own ``InferenceClient`` for the coordinator at ``address``."""
+    try:
+        from megatron.core.inference.inference_client import (  # noqa: PLC0415
+            InferenceClient,
+        )
+    except ImportError as exc:
+        raise ConfigurationError(
+            "the fleet client's default client is Megatron-Core's InferenceClient "
+            "(megatron.core.inference.inference_client), which is not installed: install "
+            "megatron-core, or pass client_factory= (any class with its methods, e.g. "
+            f"discovery.testing.stand_in_client.InferenceClient): {exc}"
+        ) from exc
+    client: EngineClient = InferenceClient(address)
+    return client
+
+
+class RequestLostError(DiscoveryError):
+    """A request's engine was lost before it answered, and it was not (or no more) resent.
+
+    ``engine_id`` and ``reason`` say where and why, ``tokens`` how many a stream had given
+    (a stream that gave some is never resent), ``resent`` whether it had been sent again.
+    """
+
+    def __init__(self, engine_id: str, reason: str, *, tokens: int, resent: bool) -> None:
+        where = f"after {tokens} streamed tokens" if tokens else "before it answered"
+        again = " (it had been sent again already)" if resent else ""
+        super().__init__(f"engine {engine_id} was lost {where}: {reason}{again}")
+        self.engine_id = engine_id
+        self.reason = reason
+        self.tokens = tokens
+        self.resent = resent
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """What a fleet control call did: the engines done, and why the others were not."""
+
+    done: tuple[str, ...]
+    failed: Mapping[str, str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every engine was done."""
+        return not self.failed
+
+
+class _Lost(Exception):
+    """A request's engine was lost (internal: turned into a resend or RequestLostError)."""
+
+    def __init__(self, handle: PickHandle, reason: str) -> None:
+        super().__init__(reason)
+        self.handle = handle
+        self.reason = reason
+
+
+class _Engine:
+    """One engine's client, as it opens (``ready``) and closes."""
+
+    __slots__ = ("address", "client", "ready")
+
+    def __init__(self, address: str, ready: asyncio.Future[EngineClient]) -> None:
+        self.address = address
+        self.ready = ready
+        self.client: EngineClient | None = None
+
+
+class FleetClient:
+    """Megatron requests through ``router`` (see the module docs). ``async with`` it.
+
+    ``client_factory(address)`` makes an engine's client (default: Megatron's);
+    ``connect_timeout`` bounds each handshake; ``resend`` sends a request whose engine was
+    lost before answering once more, elsewhere. ``settings`` / ``connection`` reach etcd for
+    the fleet control calls (default: ``DISCOVERY_*``). The router's table must be started.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        client_factory: ClientFactory | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        resend: bool = True,
+        settings: Settings | None = None,
+        connection: EtcdPort | None = None,
+    ) -> None:
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be positive, got {connect_timeout!r}")
+        self._router = router
+        self._factory = client_factory or megatron_client
+        self._connect_timeout = float(connect_timeout)
+        self._resend = resend
+        self._settings = settings
+        self._connection = connection
+        self._engines: dict[str, _Engine] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._disaggregated = False
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> FleetClient:
+        """Open a client for every engine the router sees, and follow its table."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            loop = self._loop
+
+            def changed(batch: object, snapshot: object) -> None:
+                loop.call_soon_threadsafe(self._sync)
+
+            self._unsubscribe = self._router._table.subscribe(changed)
+            self._sync()
+        return self
+
+    async def stop(self) -> None:
+        """Stop every engine's client. Requests still waiting fail (RequestLostError)."""
+        self._closed = True
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        engines, self._engines = self._engines, {}
+        for engine in engines.values():
+            self._close(engine)
+
+    async def __aenter__(self) -> FleetClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @property
+    def clients(self) -> Mapping[str, EngineClient]:
+        """The open clients, by engine id."""
+        return {e: c.client for e, c in self._engines.items() if c.client is not None}
+
+    # -- the engines' clients ------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Open a client for each new engine (or new address); stop those of engines gone."""
+        if self._loop is None:
+            return
+        records = self._router.engines()
+        self._disaggregated = any(r.role is EngineRole.DECODE for r in records.values())
+        for engine_id, engine in list(self._engines.items()):
+            record = records.get(engine_id)
+            if record is None or record.endpoint.coordinator_address != engine.address:
+                del self._engines[engine_id]
+                self._close(engine)
+        for engine_id, record in records.items():
+            if engine_id not in self._engines:
+                self._open(engine_id, record)
+
+    def _open(self, engine_id: str, record: EngineRecord) -> _Engine:
+        assert self._loop is not None
+        address = record.endpoint.coordinator_address
+        engine = _Engine(address, self._loop.create_future())
+        self._engines[engine_id] = engine
+        opening = self._loop.run_in_executor(None, self._connect, address)
+        opening.add_done_callback(lambda done: self._opened(engine_id, engine, done))
+        return engine
+
+    def _connect(self, address: str) -> EngineClient:
+        """Make and start a client (off the loop: Megatron's handshake blocks)."""
+        client = self._factory(address)
+        try:
+            client.start(loop=self._loop, connect_timeout_seconds=self._connect_timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.stop()
+            raise
+        return client
+
+    def _opened(self, engine_id: str, engine: _Engine, done: asyncio.Future[EngineClient]) -> None:
+        if done.cancelled():
+            engine.ready.cancel()
+            return
+        error = done.exception()
+        if error is not None:
+            log.warning("engine %s: no client for %s: %s", engine_id, engine.address, error)
+            engine.ready.set_exception(error)
+            engine.ready.exception()  # seen here: a request waiting on it sees it too
+            if self._engines.get(engine_id) is engine:
+                del self._engines[engine_id]  # opened again when next asked for
+            return
+        client = done.result()
+        if self._engines.get(engine_id) is not engine:  # gone meanwhile
+            with contextlib.suppress(Exception):
+                client.stop()
+            engine.ready.cancel()
+            return
+        engine.client = client
+        engine.ready.set_result(client)
+
+    def _close(self, engine: _Engine) -> None:
+        if engine.client is not None:
+            with contextlib.suppress(Exception):
+                engine.client.stop()
+        elif not engine.ready.done():
+            engine.ready.cancel()
+
+    async def _reach(self, handle: PickHandle) -> EngineClient:
+        """``handle``'s engine's client; an engine that cannot be reached is lost (_Lost)."""
+        try:
+            return await self._client(handle)
+        except ConfigurationError:
+            handle.release()  # no client factory: nothing to do with the engine
+            raise
+        except Exception as exc:  # unreachable: nothing was sent
+            handle.release(failed=True)
+            raise _Lost(handle, f"no client: {exc}") from exc
+
+    async def _client(self, handle: PickHandle) -> EngineClient:
+        """The client of ``handle``'s engine, opened now if it is not yet."""
+        engine = self._engines.get(handle.engine_id)
+        address = handle.endpoint.coordinator_address
+        if engine is not None and engine.address == address and engine.client is not None:
+            return engine.client  # open: no await (this runs once per request)
+        if engine is None or engine.address != address:
+            engine = self._open(handle.engine_id, handle.record)
+        return await asyncio.shield(engine.ready)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: Any,
+        *,
+        multi_modal_data: Any = None,
+        prompt_tokens: Sequence[int] | None = None,
+        session_key: str | bytes | int | None = None,
+        selector: Mapping[str, str] | None = None,
+        wait: float | None = None,
+        priority: int = 0,
+    ) -> asyncio.Future[Any]:
+        """Send a request through the router; the future resolves with the engine's reply.
+
+        ``prompt_tokens``: the prompt's token ids, for affinity, when ``prompt`` is text
+        (a token list is its own). ``session_key``, ``selector``, ``wait``, ``priority``:
+        the pick's (``Router.pick``). With ``multi_modal_data`` (images) the request is
+        routed by load alone, as Megatron routes it (``Router.pick(images=True)``).
+        Cancelling the future aborts the request.
+        """
+        route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
+        if (
+            session_key is None
+            and selector is None
+            and multi_modal_data is None
+            and type(priority) is int
+            and priority == 0
+        ):
+            return _Request(self, route, _NO_OPTIONS, wait)
+        options = self._options(session_key, selector, priority, multi_modal_data)
+        return _Request(self, route, options, wait)
+
+    def add_request_streaming(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: Any,
+        *,
+        multi_modal_data: Any = None,
+        prompt_tokens: Sequence[int] | None = None,
+        session_key: str | bytes | int | None = None,
+        selector: Mapping[str, str] | None = None,
+        wait: float | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[Any]:
+        """Send a streamed request: ``{"partial": ...}`` items, then one ``{"final": ...}``.
+
+        Closing the iterator before the end aborts the request.
+        """
+        route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
+        options = self._options(session_key, selector, priority, multi_modal_data)
+        return self._stream(route, options, wait)
+
+    @staticmethod
+    def _options(
+        session_key: str | bytes | int | None,
+        selector: Mapping[str, str] | None,
+        priority: int,
+        multi_modal_data: Any,
+    ) -> dict[str, Any]:
+        """The pick's options; a request with images is routed by load alone (``images``)."""
+        return {
+            "session_key": session_key,
+            "selector": selector,
+            "priority": priority,
+            "images": multi_modal_data is not None,
+        }
+
+    def _route(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: Any,
+        multi_modal_data: Any,
+        prompt_tokens: Sequence[int] | None,
+    ) -> _Route:
+        if self._loop is None:
+            raise RuntimeError("start the fleet client first (async with FleetClient(...))")
+        if self._closed:
+            raise RuntimeError("the fleet client is stopped")
+        tokens = prompt_tokens if prompt_tokens is not None else prompt
+        if isinstance(tokens, str):
+            tokens = ()  # no token ids: no affinity, only load
+        generate = _get(sampling_params, "num_tokens_to_generate") or 0
+        return _Route(prompt, sampling_params, multi_modal_data, tokens, int(generate))
+
+    async def _pick(
+        self,
+        route: _Route,
+        options: Mapping[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
+    ) -> PickPair:
+        """The engine (or pair) for one attempt of a request."""
+        router = self._router
+        if not self._disaggregated:
+            handle = await router.apick(
+                route.tokens, route.max_tokens, exclude=excluded, wait=wait, **options
+            )
+            return PickPair(None, handle)
+        pick = router.pick_pair
+        arguments = {
+            "exclude_prefill": excluded,
+            "exclude_decode": excluded,
+            "allow_aggregated": True,
+            "session_key": options["session_key"],
+            "selector": options["selector"],
+            "priority": options["priority"],
+            "images": options["images"],
+        }
+        try:  # at once when there is room: a pair pick waits in a thread, not on the loop
+            return pick(route.tokens, route.max_tokens, wait=0, **arguments)
+        except NoEngineAvailableError:
+            if wait == 0 or (wait is None and not router._admit):
+                raise
+        return await asyncio.to_thread(pick, route.tokens, route.max_tokens, wait=wait, **arguments)
+
+    def _pick_now(
+        self,
+        route: _Route,
+        options: Mapping[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
+        listener: Callable[[PickHandle], object],
+    ) -> PickHandle | None:
+        """The engine for an aggregated fleet's request at once; None when it must wait.
+
+        ``listener`` hears of the handle's loss (``PickHandle.on_lost``, on the table's
+        event thread), from the pick on.
+        """
+        router = self._router
+        if options is _NO_OPTIONS and wait is None and not excluded:  # most requests
+            ask, timeout = router._plain_ask(route.tokens, route.max_tokens)
+            return router._pick_now(ask, timeout, listener)
+        ask, timeout = router._ask(
+            route.tokens,
+            route.max_tokens,
+            selector=options["selector"],
+            weight_version=None,
+            min_weight_version=None,
+            max_version_lag=None,
+            block_hashes=None,
+            exclude=excluded,
+            wait=wait,
+            priority=options["priority"],
+            session_key=options["session_key"],
+            images=options["images"],
+        )
+        return router._pick_now(ask, timeout, listener)
+
+    async def _send(self, route: _Route, pair: PickPair) -> Any:
+        """One attempt on a pair: prefill, then decode; releases its handles."""
+        prefill = pair.prefill
+        assert prefill is not None  # one engine alone is a _Request's own attempt
+        try:
+            first = await self._on(prefill, route, _submit(route, _handoff_params(route.params)))
+            handoff = first["disaggregated_params"]
+            reply = await self._on(
+                pair.decode,
+                route,
+                lambda client: client.add_request_with_kv_handoff(
+                    route.prompt, route.params, handoff["kv_meta"], handoff["block_ids"]
+                ),
+                keep=(prefill,),
+            )
+            (await self._client(prefill)).release_handoff(handoff["request_id"])
+            return reply
+        finally:
+            if not prefill.released:
+                prefill.release()
+            if not pair.decode.released:
+                pair.decode.release()
+
+    async def _on(
+        self,
+        handle: PickHandle,
+        route: _Route,
+        submit: Callable[[EngineClient], asyncio.Future[Any]],
+        keep: Sequence[PickHandle] = (),
+    ) -> Any:
+        """Submit on ``handle``'s engine and await the reply, or raise _Lost first.
+
+        Also lost if an engine of ``keep`` is (the prefill engine a decode engine pulls from).
+        """
+        client = await self._reach(handle)
+        future = submit(client)
+        engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
+        # Plain futures woken by callbacks, no task per watch: this runs once per request.
+        assert self._loop is not None
+        woken = self._loop.create_future()
+
+        def wake(_: object) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        future.add_done_callback(wake)
+        watched = [self._watch(h, wake) for h in (handle, *keep)]
+        try:
+            await woken
+        except asyncio.CancelledError:
+            _abort(client, engine_request, future)
+            handle.release()
+            raise
+        if future.done() and not future.cancelled():
+            reply = future.result()
+            handle.release()  # it answered, whatever the reply says of the request
+            return reply
+        if future.cancelled():  # not by us (that is the except above): its client stopped
+            handle.release(failed=True)
+            raise _Lost(handle, self._stopped_reason(handle))
+        _abort(client, engine_request, future)
+        lost = next(w for w in watched if w.done())
+        handle.release(failed=lost is watched[0])
+        raise _Lost(handle if lost is watched[0] else keep[0], lost.result())
+
+    def _watch(self, handle: PickHandle, wake: Callable[[object], None]) -> asyncio.Future[str]:
+        """A future of the reason ``handle``'s engine is lost, calling ``wake`` when it is.
+
+        The router resolves it on this loop (``wait_lost`` without its task); it is left to
+        the garbage collector: the router forgets it when the handle is released.
+        """
+        assert self._loop is not None
+        lost: asyncio.Future[str] = self._loop.create_future()
+        if not self._router._listen(handle, lost):
+            lost.set_result(handle.lost or "")
+        lost.add_done_callback(wake)
+        return lost
+
+    def _stopped_reason(self, handle: PickHandle) -> str:
+        """Why ``handle``'s engine's client stopped under a request it had not answered.
+
+        ``_sync`` stops the client of an engine whose record left or moved at once, and
+        Megatron's ``stop()`` cancels the futures and ends the streams it holds; the router
+        tells the handle later (a record gone while ready is held as unconfirmed first), or
+        never (a new address is the same engine): the request is lost there all the same.
+        """
+        if self._closed:
+            return "the fleet client was stopped"
+        return handle.lost or "its client was stopped: the engine left the table or moved"
+
+    async def _stream(
+        self, route: _Route, options: Mapping[str, Any], wait: float | None
+    ) -> AsyncIterator[Any]:
+        excluded: set[str] = set()
+        resent = False
+        while True:
+            pair = await self._pick(route, options, wait, excluded)
+            tokens = 0
+            try:
+                async for item in self._stream_on(route, pair):
+                    partial = item.get("partial") if isinstance(item, dict) else None
+                    if isinstance(partial, dict):
+                        tokens += len(partial.get("new_tokens") or ())
+                    yield item
+                return
+            except _Lost as lost:
+                excluded.add(lost.handle.engine_id)
+                if tokens or not self._resend or resent or self._closed:
+                    raise RequestLostError(
+                        lost.handle.engine_id, lost.reason, tokens=tokens, resent=resent
+                    ) from None
+                resent = True
+
+    async def _stream_on(self, route: _Route, pair: PickPair) -> AsyncIterator[Any]:
+        """One streamed attempt: items until the final one; raises _Lost on a loss."""
+        prefill, decode = pair.prefill, pair.decode
+        handoff: Any = None
+        try:
+            if prefill is not None:
+                first = await self._on(
+                    prefill, route, _submit(route, _handoff_params(route.params))
+                )
+                handoff = first["disaggregated_params"]
+
+            def start(client: EngineClient) -> AsyncIterator[Any]:
+                if handoff is None:
+                    return client.add_request_streaming(
+                        route.prompt, route.params, multi_modal_data=route.images
+                    )
+                return client.add_request_with_kv_handoff_streaming(
+                    route.prompt, route.params, handoff["kv_meta"], handoff["block_ids"]
+                )
+
+            async for item in self._items(decode, start):
+                if handoff is not None and prefill is not None:
+                    (await self._client(prefill)).release_handoff(handoff["request_id"])
+                    prefill.release()
+                    handoff = None  # released after the first output, as Megatron's Dynamo does
+                yield item
+        finally:
+            if prefill is not None and not prefill.released:
+                prefill.release()
+            if not decode.released:
+                decode.release()
+
+    async def _items(
+        self, handle: PickHandle, start: Callable[[EngineClient], AsyncIterator[Any]]
+    ) -> AsyncIterator[Any]:
+        client = await self._reach(handle)
+        stream = start(client)
+        engine_request = client.next_request_id - 1
+        items = stream.__aiter__()
+        lost = asyncio.ensure_future(handle.wait_lost())
+        try:
+            while True:
+                following = asyncio.ensure_future(items.__anext__())
+                await asyncio.wait([following, lost], return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    following.cancel()
+                    _abort(client, engine_request, None)
+                    handle.release(failed=True)
+                    raise _Lost(handle, lost.result())
+                try:
+                    item = following.result()
+                except StopAsyncIteration:  # ended without its final item: client stopped
+                    handle.release(failed=True)
+                    raise _Lost(handle, self._stopped_reason(handle)) from None
+                yield item
+                if isinstance(item, dict) and "final" in item:
+                    handle.release()
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            _abort(client, engine_request, None)
+            handle.release()
+            raise
+        finally:
+            lost.cancel()
+
+    # -- fleet control -------------------------------------------------------------------
+
+    async def pause(self, selector: Mapping[str, str] | None = None) -> ControlResult:
+        """Pause the engines: each record ``paused`` (routers stop picking it), then PAUSE."""
+        return await self._control(selector, _paused_first, "pause_engines")
+
+    async def suspend(self, selector: Mapping[str, str] | None = None) -> ControlResult:
+        """Pause the engines (as ``pause``), then SUSPEND: their GPU memory offloaded."""
+        return await self._control(selector, _paused_first, "pause_engines", "suspend_engines")
+
+    async def resume(
+        self, weight_version: int | None = None, selector: Mapping[str, str] | None = None
+    ) -> ControlResult:
+        """Resume the engines, on ``weight_version`` if given (Megatron's generation epoch).
+
+        Per engine: SET_GENERATION_EPOCH (with a version), RESUME, UNPAUSE, then its record
+        ``ready`` on the version, in one write: no router sees it ready on the old one.
+        """
+        signals: tuple[str, ...] = ("resume_engines", "unpause_engines")
+        if weight_version is not None:
+            signals = ("set_generation_epoch", *signals)
+        return await self._control(
+            selector, _ready_after(weight_version), *signals, epoch=weight_version
+        )
+
+    async def set_generation_epoch(
+        self, epoch: int, selector: Mapping[str, str] | None = None
+    ) -> ControlResult:
+        """SET_GENERATION_EPOCH on the engines, then their records' ``weight_version``."""
+        return await self._control(
+            selector, _ready_after(epoch, status=False), "set_generation_epoch", epoch=epoch
+        )
+
+    async def _control(
+        self,
+        selector: Mapping[str, str] | None,
+        mark: _Mark,
+        *signals: str,
+        epoch: int | None = None,
+    ) -> ControlResult:
+        records = self._router.engines()
+        chosen = [e for e, r in sorted(records.items()) if r.matches(selector)]
+        outcomes = await asyncio.gather(
+            *(self._control_one(e, records[e], mark, signals, epoch) for e in chosen)
+        )
+        done = tuple(e for e, problem in zip(chosen, outcomes, strict=True) if problem is None)
+        failed = {e: p for e, p in zip(chosen, outcomes, strict=True) if p is not None}
+        for engine_id, problem in failed.items():
+            log.warning("engine %s: %s", engine_id, problem)
+        return ControlResult(done, failed)
+
+    async def _control_one(
+        self,
+        engine_id: str,
+        record: EngineRecord,
+        mark: _Mark,
+        signals: Sequence[str],
+        epoch: int | None,
+    ) -> str | None:
+        """One engine's step; None, or what went wrong (and what was left as it was)."""
+        if mark.before is not None:
+            problem = await self._mark(engine_id, mark.before)
+            if problem is not None:
+                return f"{problem}; no signal sent"
+            # Picks read the table: once it shows the mark, none picks the engine (and
+            # every earlier pick of this loop submitted already, with no await between).
+            try:
+                await asyncio.to_thread(
+                    self._router._table.wait_until,
+                    lambda snapshot: _not_ready(snapshot.get(engine_id)),
+                    self._connect_timeout,
+                )
+            except TimeoutError:
+                return "the router's table did not show its record paused; no signal sent"
+        engine = self._engines.get(engine_id) or self._open(engine_id, record)
+        try:
+            client = await asyncio.shield(engine.ready)
+        except Exception as exc:
+            return f"no client to send {', '.join(signals)}: {exc}"
+        for signal in signals:
+            method = getattr(client, signal)
+            method(epoch) if signal == "set_generation_epoch" else method()
+        if mark.after is not None:
+            problem = await self._mark(engine_id, mark.after)
+            if problem is not None:
+                return f"signals sent, but {problem}: its record is left as it was"
+        return None
+
+    async def _mark(self, engine_id: str, write: Callable[..., Any]) -> str | None:
+        """Write the engine's record (a thread: etcd I/O); None, or why it could not."""
+        try:
+            written = await asyncio.to_thread(
+                write, engine_id, settings=self._settings, connection=self._connection
+            )
+        except DiscoveryError as exc:
+            return f"its record could not be written ({exc})"
+        return None if written is not None else "it has no record in etcd"
+
+
+class _Request(asyncio.Future[Any]):
+    """One ``add_request``: the caller's future, driven by callbacks (no task per request).
+
+    Callbacks on the engine's reply and the router's loss notice drive it; a task runs only
+    while a pick waits for room, or for a prefill/decode pair. An attempt: the pick, the
+    engine's client (opened if need be), the submit, then the reply or the engine's loss,
+    whichever comes first; a loss releases the handle as failed, aborts the request there
+    and sends it once more elsewhere. ``cancel()`` aborts the request on its engine.
+    """
+
+    __slots__ = (
+        "_client",
+        "_engine_request",
+        "_excluded",
+        "_fleet",
+        "_handle",
+        "_options",
+        "_reply",
+        "_resent",
+        "_route",
+        "_task",
+        "_wait",
+    )
+
+    def __init__(
+        self, fleet: FleetClient, route: _Route, options: Mapping[str, Any], wait: float | None
+    ) -> None:
+        super().__init__(loop=fleet._loop)
+        self._fleet = fleet
+        self._route = route
+        self._options = options
+        self._wait = wait
+        self._excluded: frozenset[str] = frozenset()  # the engines lost under it
+        self._resent = False
+        self._task: asyncio.Future[Any] | None = None  # a waiting pick, or a pair's attempt
+        self._handle: PickHandle | None = None  # the attempt's on one engine
+        self._client: EngineClient | None = None
+        self._reply: asyncio.Future[Any] | None = None  # the engine's, until it is settled
+        self._engine_request = 0
+        self._attempt()
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the request: abort it where it is (a waiting pick gives its place up)."""
+        if not super().cancel(msg):
+            return False
+        if self._task is not None:
+            self._task.cancel()  # a waiting pick gives its place up; a pair aborts
+        reply, handle = self._reply, self._handle
+        if reply is not None and handle is not None:
+            self._reply = None
+            assert self._client is not None
+            _abort(self._client, self._engine_request, reply)
+            handle.release()
+        return True
+
+    def _attempt(self) -> None:
+        fleet = self._fleet
+        if not fleet._disaggregated:
+            try:
+                handle = fleet._pick_now(
+                    self._route, self._options, self._wait, self._excluded, self._heard_lost
+                )
+            except Exception as exc:
+                self._fail(exc)
+                return
+            if handle is not None:
+                self._on(handle)
+                return
+        self._task = asyncio.ensure_future(
+            fleet._pick(self._route, self._options, self._wait, self._excluded)
+        )
+        self._task.add_done_callback(self._picked)
+
+    def _picked(self, task: asyncio.Future[PickPair]) -> None:
+        self._task = None
+        if task.cancelled():  # by cancel(): the request is over
+            return
+        error = task.exception()
+        if error is not None:
+            self._fail(error)
+            return
+        pair = task.result()
+        if self.done():  # cancelled as the pick was served
+            pair.release()
+        elif pair.prefill is None:
+            if self._fleet._router._listen(pair.decode, self._heard_lost):
+                self._on(pair.decode)
+            else:  # lost already: nothing was sent
+                pair.decode.release(failed=True)
+                self._resend(pair.decode, pair.decode.lost or "")
+        else:
+            self._task = asyncio.ensure_future(self._fleet._send(self._route, pair))
+            self._task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Future[Any]) -> None:
+        self._task = None
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, _Lost):
+            self._resend(error.handle, error.reason)
+        elif error is not None:
+            self._fail(error)
+        elif not self.done():
+            self.set_result(task.result())
+
+    def _on(self, handle: PickHandle) -> None:
+        """Send on ``handle``'s engine (its loss heard): at once when its client is open."""
+        self._handle = handle
+        fleet = self._fleet
+        engine = fleet._engines.get(handle.engine_id)
+        address = handle.endpoint.coordinator_address
+        if engine is not None and engine.address == address and engine.client is not None:
+            self._submit(handle, engine.client)
+            return
+        if engine is None or engine.address != address:
+            engine = fleet._open(handle.engine_id, handle.record)
+        engine.ready.add_done_callback(lambda ready: self._reached(handle, ready))
+
+    def _reached(self, handle: PickHandle, ready: asyncio.Future[EngineClient]) -> None:
+        if self.done():  # cancelled meanwhile: nothing was sent
+            handle.release()
+            return
+        error = None if ready.cancelled() else ready.exception()
+        if isinstance(error, ConfigurationError):  # no client factory: not the engine's
+            handle.release()
+            self._fail(error)
+        elif ready.cancelled() or error is not None:  # unreachable: nothing was sent
+            handle.release(failed=True)
+            reason = "its client was closed" if error is None else str(error)
+            self._resend(handle, f"no client: {reason}")
+        elif handle.lost is not None:  # lost while its client opened (_lost had no reply)
+            handle.release(failed=True)
+            self._resend(handle, handle.lost)
+        else:
+            self._submit(handle, ready.result())
+
+    def _submit(self, handle: PickHandle, client: EngineClient) -> None:
+        route = self._route
+        try:
+            reply = client.add_request(route.prompt, route.params, multi_modal_data=route.images)
+        except Exception as exc:
+            handle.__exit__(type(exc))  # released, no outcome: it may not be the engine's
+            self._fail(exc)
+            return
+        self._client = client
+        self._engine_request = client.next_request_id - 1  # as Megatron's own callers learn it
+        self._reply = reply
+        reply.add_done_callback(self._replied)
+
+    def _replied(self, reply: asyncio.Future[Any]) -> None:
+        handle = self._handle
+        if reply is not self._reply or handle is None:  # settled already (lost, cancelled)
+            return
+        self._reply = None
+        if reply.cancelled():  # not by us: its client stopped
+            handle.release(failed=True)
+            self._resend(handle, self._fleet._stopped_reason(handle))
+            return
+        error = reply.exception()
+        if error is not None:
+            handle.__exit__(type(error))
+            self._fail(error)
+            return
+        handle.release()  # it answered, whatever the reply says of the request
+        if not self.done():
+            self.set_result(reply.result())
+
+    def _heard_lost(self, handle: PickHandle) -> None:
+        """The router's notice (on the table's event thread): handle it on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self.get_loop().call_soon_threadsafe(self._lost, handle)
+
+    def _lost(self, handle: PickHandle) -> None:
+        reply = self._reply
+        if handle is not self._handle or reply is None or reply.done():
+            return  # settled already, or the reply came first (its callback runs next)
+        self._reply = None
+        assert self._client is not None
+        _abort(self._client, self._engine_request, reply)
+        handle.release(failed=True)
+        self._resend(handle, handle.lost or "")
+
+    def _resend(self, handle: PickHandle, reason: str) -> None:
+        """The attempt on ``handle``'s engine was lost: send it again elsewhere, or fail."""
+        fleet = self._fleet
+        self._excluded = self._excluded | {handle.engine_id}
+        if self.done():
+            return
+        if not fleet._resend or self._resent or fleet._closed:
+            self.set_exception(
+                RequestLostError(handle.engine_id, reason, tokens=0, resent=self._resent)
+            )
+            return
+        self._resent = True
+        log.warning(
+            "engine %s lost before it answered (%s): sending the request again",
+            handle.engine_id,
+            reason,
+        )
+        self._attempt()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.done():
+            self.set_exception(error)
+
+
+class _Route(NamedTuple):
+    prompt: str | Sequence[int]
+    params: Any
+    images: Any
+    tokens: Sequence[int]
+    max_tokens: int
+
+
+_NO_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    {"session_key": None, "selector": None, "priority": 0, "images": False}
+)
+"""A request's pick options when it gives none (``Router._plain_ask``'s case)."""
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A control call's record writes: before the signals, after them."""
+
+    before: Callable[..., Any] | None = None
+    after: Callable[..., Any] | None = None
+
+
+_paused_first = _Mark(before=mark_paused)
+
+
+def _ready_after(version: int | None, *, status: bool = True) -> _Mark:
+    """Ready on ``version`` after the signals (``status`` False: the version only)."""
+
+    def write(engine_id: str, **where: Any) -> EngineRecord | None:
+        if status:
+            return mark_ready(engine_id, version, **where)
+        assert version is not None
+        return set_weight_version(engine_id, version, **where)
+
+    return _Mark(after=write)
+
+
+def _not_ready(record: EngineRecord | None) -> bool:
+    return record is None or record.status is not EngineStatus.READY
+
+
+def _submit(route: _Route, params: Any) -> Callable[[EngineClient], asyncio.Future[Any]]:
+    def submit(client: EngineClient) -> asyncio.Future[Any]:
+        return client.add_request(route.prompt, params, multi_modal_data=route.images)
+
+    return submit
+
+
+def _abort(client: EngineClient, request_id: int, future: asyncio.Future[Any] | None) -> None:
+    """Abort a request on its engine, best effort (a dead engine hears nothing)."""
+    if future is not None and future.done():
+        return
+    with contextlib.suppress(Exception):
+        client.abort_request(request_id)
+
+
+def _get(params: Any, name: str) -> Any:
+    if type(params) is dict or isinstance(params, Mapping):  # the first: cheap, per request
+        return params.get(name)
+    return getattr(params, name, None)
+
+
+def _handoff_params(params: Any) -> Any:
+    """The prefill side's sampling params: one token, the blocks pinned for the hand-off."""
+    changes = {"do_kv_handoff": True, "num_tokens_to_generate": 1}
+    if isinstance(params, Mapping):
+        return {**params, **changes}
+    if dataclasses.is_dataclass(params) and not isinstance(params, type):
+        return dataclasses.replace(params, **changes)
+    copied = copy.copy(params)
+    for name, value in changes.items():
+        setattr(copied, name, value)
+    return copied
