@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from discovery import (
@@ -552,3 +553,29 @@ class RankZero:
     def close(self) -> None:
         self.sock.close()
         self.context.term()
+
+
+def fake_engine(
+    *,
+    max_sequence_length: Any = 8192,
+    block_size_tokens: Any = 256,
+    pool_size: Any = 1001,
+    max_requests: Any = 64,
+    max_tokens: Any = 4096,
+    enable_prefix_caching: Any = True,
+    policy: Any = None,
+    tokenizer: Any = None,
+) -> SimpleNamespace:
+    """What ``from_engine`` reads of Megatron's ``DynamicInferenceEngine``."""
+    context = SimpleNamespace(
+        max_sequence_length=max_sequence_length,
+        block_size_tokens=block_size_tokens,
+        kv_block_allocator=SimpleNamespace(pool_size=pool_size),
+        max_requests=max_requests,
+        max_tokens=max_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        config=SimpleNamespace(prefix_caching_coordinator_policy=policy),
+    )
+    if tokenizer is None:
+        tokenizer = SimpleNamespace(bos=1)
+    return SimpleNamespace(context=context, controller=SimpleNamespace(tokenizer=tokenizer))

@@ -27,7 +27,7 @@ from discovery import (
 )
 from discovery._records.codec import encode
 
-from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
+from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs, fake_engine
 
 Policy = PrefixCachingCoordinatorPolicy
 
@@ -393,31 +393,6 @@ class ForeignPolicy(str, enum.Enum):  # noqa: UP042 - as Megatron declares it
     LONGEST_PREFIX = "longest_prefix"
     FIRST_PREFIX_BLOCK = "first_prefix_block"
     LOAD_BALANCED = "load_balanced"
-
-
-def fake_engine(
-    *,
-    max_sequence_length: Any = 8192,
-    block_size_tokens: Any = 256,
-    pool_size: Any = 1001,
-    max_requests: Any = 64,
-    max_tokens: Any = 4096,
-    enable_prefix_caching: Any = True,
-    policy: Any = None,
-    tokenizer: Any = None,
-) -> SimpleNamespace:
-    context = SimpleNamespace(
-        max_sequence_length=max_sequence_length,
-        block_size_tokens=block_size_tokens,
-        kv_block_allocator=SimpleNamespace(pool_size=pool_size),
-        max_requests=max_requests,
-        max_tokens=max_tokens,
-        enable_prefix_caching=enable_prefix_caching,
-        config=SimpleNamespace(prefix_caching_coordinator_policy=policy),
-    )
-    if tokenizer is None:
-        tokenizer = SimpleNamespace(bos=1)
-    return SimpleNamespace(context=context, controller=SimpleNamespace(tokenizer=tokenizer))
 
 
 def test_from_engine_maps_every_context_attribute() -> None:

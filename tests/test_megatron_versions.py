@@ -16,7 +16,6 @@ import json
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,7 +32,17 @@ from discovery import (
 )
 from discovery.testing.stand_in_engine import default_endpoint
 
-from .helpers import STAND_IN, ChildLog, Launcher, WatchLog, cli_env, get_kv, run_cli, wait_for
+from .helpers import (
+    STAND_IN,
+    ChildLog,
+    Launcher,
+    WatchLog,
+    cli_env,
+    fake_engine,
+    get_kv,
+    run_cli,
+    wait_for,
+)
 from .test_endpoint import MAIN_POLICIES, RELEASED_POLICIES, megatron_from_dict
 
 INVENTED = "weighted_prefix"  # invented: no Megatron has it (yet)
@@ -211,22 +220,6 @@ def test_launch_registers_a_stand_in_engine_sending_the_policy(
         watch.stop()
 
 
-def fake_engine(policy: object) -> SimpleNamespace:
-    """What ``from_engine`` reads of Megatron's ``DynamicInferenceEngine``."""
-    context = SimpleNamespace(
-        max_sequence_length=4096,
-        block_size_tokens=64,
-        kv_block_allocator=SimpleNamespace(pool_size=513),
-        max_requests=32,
-        max_tokens=2048,
-        enable_prefix_caching=True,
-        config=SimpleNamespace(prefix_caching_coordinator_policy=policy),
-    )
-    return SimpleNamespace(
-        context=context, controller=SimpleNamespace(tokenizer=SimpleNamespace(bos=7))
-    )
-
-
 @pytest.mark.parametrize(
     ("policy", "expected"),
     [
@@ -239,7 +232,10 @@ def test_register_dynamic_engine_on_an_engine_of_another_version(
     settings: Settings, policy: object, expected: str
 ) -> None:
     with register_dynamic_engine(
-        fake_engine(policy), "tcp://engine:7000", engine_id="dyn", settings=settings
+        fake_engine(policy=policy),
+        "tcp://engine:7000",
+        engine_id="dyn",
+        settings=settings,
     ) as reg:
         value = json.loads(get_kv(settings.endpoints, reg.key)["value"])
         assert value["capabilities"]["prefix_caching_coordinator_policy"] == expected

@@ -39,6 +39,7 @@ from .helpers import (
     cli_env,
     connected_member,
     etcdctl,
+    fake_engine,
     get_kv,
     losses_after_a_mass_loss,
     make_endpoint,
@@ -421,24 +422,16 @@ def test_unreachable_etcd_fails_clearly_at_start() -> None:
     assert time.monotonic() - started < 5
 
 
-def _fake_engine():
-    context = SimpleNamespace(
-        max_sequence_length=4096,
-        block_size_tokens=64,
-        kv_block_allocator=SimpleNamespace(pool_size=513),
-        max_requests=32,
-        max_tokens=2048,
-        enable_prefix_caching=True,
-        config=SimpleNamespace(prefix_caching_coordinator_policy=None),
-    )
-    return SimpleNamespace(
-        context=context, controller=SimpleNamespace(tokenizer=SimpleNamespace(bos=7))
-    )
-
-
 def test_register_dynamic_engine_reads_the_engine_once(store: Store) -> None:
     with register_dynamic_engine(
-        _fake_engine(),
+        fake_engine(
+            max_sequence_length=4096,
+            block_size_tokens=64,
+            pool_size=513,
+            max_requests=32,
+            max_tokens=2048,
+            tokenizer=SimpleNamespace(bos=7),
+        ),
         "tcp://engine:7000",
         logical_data_parallel_size=2,
         engine_id="megatron",
