@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import inspect
 import math
 import os
 import random
 import statistics
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
 from _common import Target, memory_table, record_results
@@ -286,7 +286,7 @@ def index_bytes_per_entry(prompts: list[list[int]]) -> tuple[int, float]:
         router.pick(prompt, 128).release()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    index_file = str(Path(__file__).resolve().parent.parent / "discovery" / "_policies.py")
+    index_file = inspect.getfile(type(router._builtins[RoutingPolicy.LONGEST_PREFIX]))
     grown = sum(
         stat.size_diff
         for stat in after.compare_to(before, "filename")

@@ -97,12 +97,12 @@ def test_a_field_declared_in_one_place_is_stored_checked_shown_and_documented(
     the JSON Schema all carry it, with no other edit."""
     copy = tmp_path / "discovery"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (copy / "_record.py").read_text()
+    source = (copy / "_records" / "record.py").read_text()
     anchor = "    extra: Mapping[str, Any] = field("
     assert source.count(anchor) == 1
     source = source.replace(anchor, NEW_FIELD.lstrip("\n") + anchor)
     source = source.replace("\n\n# -- the record --", NEW_CHECK + "\n\n# -- the record --")
-    (copy / "_record.py").write_text(source)
+    (copy / "_records" / "record.py").write_text(source)
     result = subprocess.run(
         [sys.executable, "-c", PROBE],
         capture_output=True,
