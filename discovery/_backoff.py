@@ -2,7 +2,7 @@
 
 Every place that tries again after a failure waits ``Backoff.delay(attempt)``: the etcd
 port's ``call`` (through tenacity, for which a ``Backoff`` is a wait strategy), the
-list-watch loop (``_reflector.py``) and a session's repair (``_session.py``). Attempt
+list-watch loop (``_etcd/reflector.py``) and a session's repair (``_writes/session.py``). Attempt
 ``n`` (0 for the first retry) waits a time drawn uniformly from ``[d / 2, d]`` with ``d =
 min(maximum, initial x 2^n)`` ("equal jitter": never less than half the nominal delay,
 so clients that failed together do not come back together). What differs between the

@@ -5,7 +5,7 @@ the parent binds a ZeroMQ PULL socket (a random port, or a fixed one for engines
 another launcher) and hands its address to the engine (``--dynamo-parent-event-address``);
 global rank zero connects a PUSH socket (LINGER 0) and sends ``msgpack.packb([kind,
 payload], use_bin_type=True)`` frames. PUSH/PULL says nothing when the engine dies: whoever
-started the engine watches the process (``discovery launch`` does, in ``_launch.py``).
+started the engine watches the process (``discovery launch`` does, in ``_engine/launch.py``).
 
 What the receiver does with each kind, each outcome counted in ``health()`` and in
 ``discovery_engine_events_total{outcome}``:
@@ -18,8 +18,8 @@ What the receiver does with each kind, each outcome counted in ``health()`` and 
   kept. Keys this version does not know are stored too. A payload of no known shape, or
   an invalid one, is ``rejected``: logged with the shapes accepted, nothing written.
 - ``stored`` / ``removed`` / ``cleared`` (outcome ``kv``): the engine's prefix cache
-  (``_kvstate.py``), kept from the first frame on (before ready too) and relayed to routers
-  (``_relay.py``); a payload without a list of 64-bit block hashes is ``malformed``.
+  (``_state/kvstate.py``), kept from the first frame on (before ready too) and relayed to routers
+  (``_state/relay.py``); a payload without a list of 64-bit block hashes is ``malformed``.
 - ``progress`` (outcome ``progress``): a heartbeat Megatron sends from its scheduling loop
   while the engine runs (at most every 0.5 s).
 - anything else (``handoff_imported``, a kind from the future): ``ignored``.

@@ -1,7 +1,7 @@
 """``discovery launch``: start an engine, register it from its ready message, tie both lives.
 
     bind the event socket ─▶ start COMMAND in a process group of its own, and a guard ─▶
-      "ready" frame          ─▶ registered (EngineEventReceiver, ``_events.py``)
+      "ready" frame          ─▶ registered (EngineEventReceiver, ``_engine/events.py``)
       the child exits        ─▶ lease revoked at once, what it left in its group killed,
                                 exit with its status (killed by signal N: 128 + N)
       SIGTERM / SIGINT       ─▶ deregister, forward the signal to the group, wait

@@ -1,4 +1,4 @@
-"""The python3-etcd3 adapter: the one implementation of the etcd port (``_port.py``).
+"""The python3-etcd3 adapter: the one implementation of the etcd port (``_etcd/port.py``).
 
 It is the only module that imports etcd3, gRPC or protobuf, and it knows nothing about
 engines. It owns:

@@ -2,7 +2,7 @@
 
 Registration, the watch loop and the one-shot helpers talk to etcd only through
 ``EtcdPort``, and are typed against it. Its implementations: the python3-etcd3 adapter
-``Connection`` (``_connection.py``), the only module that knows about etcd3, gRPC or
+``Connection`` (``_etcd/connection.py``), the only module that knows about etcd3, gRPC or
 protobuf (it translates every client error into discovery's exceptions, at one boundary,
 and guards the client's defects), built by the one factory ``_transport.connect``; and
 ``discovery.testing.memory.MemoryPort``, an etcd in memory for tests. Both pass the same

@@ -1,6 +1,6 @@
 """The one factory of the etcd port, and what the public API resolves from its arguments.
 
-Everything above the adapter is typed against ``EtcdPort`` (``_port.py``). This module
+Everything above the adapter is typed against ``EtcdPort`` (``_etcd/port.py``). This module
 is the only one (besides the package's re-export of ``Connection``) that imports the
 python3-etcd3 adapter: another client would mean another adapter and a change here, and
 nothing else.

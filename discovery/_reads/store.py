@@ -1,6 +1,6 @@
 """The store: the one copy of the engines a watch sees, and the events it derives.
 
-client-go's reflector -> store split. The watch loop (``_watcher.py``) reads etcd and
+client-go's reflector -> store split. The watch loop (``_reads/watcher.py``) reads etcd and
 hands the store either a whole listing (``replace``) or the changes of a watch response
 (``apply``); the store compares them with what it holds, computes ``added`` /
 ``updated`` / ``removed`` once for both paths, applies each etcd revision atomically and

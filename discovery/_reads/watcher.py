@@ -328,7 +328,7 @@ class _Feed:
             self._metrics.events_applied(
                 self._prefix, (kind.value for kind in applied), time.perf_counter() - started
             )
-        self._freshness.proved()  # after the store took the batch (see _store.py)
+        self._freshness.proved()  # after the store took the batch (see _reads/store.py)
 
     def _decode(self, key: str, value: bytes) -> EngineRecord | None:
         """The record at ``key`` if valid and selected; None (counted if invalid) otherwise."""

@@ -3,7 +3,7 @@
 Layout: one key per engine, ``{root}/{namespace}/engines/{engine_id}``, default root
 ``/inference/v1``, default namespace ``default``. The value is compact UTF-8 JSON:
 exactly ``InferenceEngineEndpoint.to_dict()`` plus the top-level metadata that
-``EngineRecord`` declares (``_record.py``), which Megatron's ``from_dict`` ignores. A value
+``EngineRecord`` declares (``_records/record.py``), which Megatron's ``from_dict`` ignores. A value
 without ``status`` is ``ready``. Encode and both decode paths below are derived from that
 declaration; keys this version does not know are kept (``extra``, ``extra_capabilities``).
 """

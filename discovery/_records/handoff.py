@@ -4,7 +4,7 @@ Megatron-Core hands a request's KV (and, for hybrid models, SSM) state from a pr
 engine to a decode engine (``megatron/core/inference/disaggregation/``; every fact below
 is cited with its file and commit in docs/prefill-decode.md). The record says
 what a router needs to know which pairs can hand off: ``role``, ``kv_transfer_backend``
-and ``kv_layout`` (declared in ``_record.py``). ``handoff_problem(prefill, decode)`` is
+and ``kv_layout`` (declared in ``_records/record.py``). ``handoff_problem(prefill, decode)`` is
 Megatron's rule: None when the pair can hand off, else the reason.
 
 Every part of the rule is a condition on one engine or the equality of a value on both,

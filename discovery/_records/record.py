@@ -5,7 +5,7 @@ top-level metadata Megatron's ``from_dict`` ignores. Each metadata field is one 
 ``EngineRecord`` below: its Python type and default, and a ``Stored`` description (its
 JSON form, its check, its one-line doc, its CLI column, whether an outside writer owns
 it). Everything else is derived from that declaration: validation (``__post_init__``),
-the codec's encode and both decode paths (``_codec.py``), the registrar's adoption of
+the codec's encode and both decode paths (``_records/codec.py``), the registrar's adoption of
 outside changes, the CLI's columns (``discovery list`` / ``watch``), and the field table
 of the documentation (``field_table()``, generated at every build of the site). Adding a field
 is one line here and its tests.
@@ -336,7 +336,7 @@ class EngineRecord:
     """One engine as stored in etcd: id, endpoint, labels, registration time, status, version.
 
     ``role``, ``kv_transfer_backend`` and ``kv_layout`` say which engines it can hand a
-    request's KV to or take it from (``_handoff.py``); values of them this version does
+    request's KV to or take it from (``_records/handoff.py``); values of them this version does
     not know are kept as read (``UnknownValue``).
     ``drain_deadline`` (UTC) is when a ``draining`` engine leaves; None means it drains
     until someone undrains or removes it. Only a draining record may carry one.

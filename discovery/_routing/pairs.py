@@ -1,6 +1,6 @@
 """Prefill/decode pairs: which engines can hand off to which (``Router.pick_pair``).
 
-Megatron's rule (``_handoff.py``) is an equivalence: a prefill and a decode engine can hand
+Megatron's rule (``_records/handoff.py``) is an equivalence: a prefill and a decode engine can hand
 off exactly when their ``handoff_key`` is equal and not None. So the candidates of each
 side are grouped by key once per candidate set, and a prefill engine is *viable* when some
 decode candidate shares its key (and, with ``within`` required, the value of that label).

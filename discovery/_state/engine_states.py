@@ -1,7 +1,7 @@
 """A router's view of what its engines report: cached blocks and load, relayed live.
 
 ``EngineStates(table)`` follows a ``RoutingTable``: for every engine whose record carries
-a ``state_address`` (its launcher's state relay, ``_relay.py``) it keeps a subscription
+a ``state_address`` (its launcher's state relay, ``_state/relay.py``) it keeps a subscription
 and the engine's current block set and load. What a policy may rely on:
 
 * **Never a ghost.** An engine's state goes when the table removes the engine (or its
@@ -30,7 +30,7 @@ and the engine's current block set and load. What a policy may rely on:
   is stale at once, without waiting for ``stale_after``. ``silent(engine_id)`` says
   whether a followed engine's relay said goodbye or has been quiet past ``stale_after``.
 * **Held engines.** A router keeping an engine routable after its record went (an
-  ``unconfirmed`` engine, ``_protection.py``) asks ``hold(engine_id, address)``: its relay
+  ``unconfirmed`` engine, ``_routing/protection.py``) asks ``hold(engine_id, address)``: its relay
   is followed although the table no longer holds it, until ``unhold``. Its silence is
   the router's evidence that the engine is dead.
 
@@ -92,7 +92,7 @@ class EngineState:
     epoch: int
     seq: int
     blocks: frozenset[int]
-    """The block hashes the engine caches (Megatron's hash; see ``_blockhash.py``)."""
+    """The block hashes the engine caches (Megatron's hash; see ``_state/blockhash.py``)."""
     load: Mapping[str, Any]
     """``in_flight`` (summed over the routers that report), ``routers``, ``engine``."""
     gone: bool = False
@@ -453,7 +453,7 @@ class EngineStates:
     def feed(self, engine_id: str, message: list[Any]) -> None:
         """Apply one relay message to the engine's state, as if its relay had sent it.
 
-        ``message`` is ``_relay.py``'s protocol, msgpack-decoded; an engine not followed
+        ``message`` is ``_state/relay.py``'s protocol, msgpack-decoded; an engine not followed
         ignores it. For simulations and transports of your own (``start(connect=False)``):
         a request the state would send its relay (a snapshot after a gap) goes nowhere,
         so feed a ``hello`` then.

@@ -5,7 +5,7 @@ etcd keeps membership and one pointer (the record's ``state_address``); the stat
 relayed here, from the launcher that receives the engine's events, to every router that
 asks. One ROUTER socket, msgpack frames (what Megatron uses), one port.
 
-A router's ``EngineStates`` (``_follower.py``) connects a DEALER socket and sends:
+A router's ``EngineStates`` (``_state/engine_states.py``) connects a DEALER socket and sends:
 
 * ``["sub"]``: subscribe; repeated every second as a heartbeat. A subscriber the relay
   does not know gets a snapshot first. One silent for ``subscriber_timeout`` is dropped.

@@ -16,7 +16,7 @@ One watch per connection: of the one key when the connection serves a single
 registration (the one-engine process: etcd sends it nothing about other engines), else of
 the namespace prefix (a process holding many registrations, typically through a
 ``Session``). Events for other keys are dropped unread. It runs on the list-watch loop
-both watches share (``_reflector.py``: resume at the last delivered revision, backoff,
+both watches share (``_etcd/reflector.py``: resume at the last delivered revision, backoff,
 health), started at the owner's own write instead of a listing; a listing after
 compaction reports each owned key's current state (a resync).
 """

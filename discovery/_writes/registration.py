@@ -3,7 +3,7 @@
 A ``Registration`` writes its record on the lease of a ``Session`` (a private one unless
 the caller shares one) and keeps it there: the session keeps the lease alive and, when
 the lease is lost, writes every member's record again; the registration's own watch
-(``_recordwatch.py``) notices outside changes of its key.
+(``_writes/recordwatch.py``) notices outside changes of its key.
 
 Registration states (``RegistrationState``), as the transition table ``_TRANSITIONS``
 below says and nothing else::

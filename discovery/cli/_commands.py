@@ -110,7 +110,7 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    """Start an engine command and register it from its ready message (``_launch.py``)."""
+    """Start an engine command and register it from its ready message (``_engine/launch.py``)."""
     try:
         EngineEventReceiver.require_libraries()  # the launch extra
     except ImportError as exc:
