@@ -129,6 +129,47 @@ def test_a_mass_lease_loss_keeps_every_engine_routable_as_unconfirmed(caplog) ->
     assert router.health().unconfirmed == {}
 
 
+class _PickDuring:
+    """A sink ahead of the router's: while one removal is being delivered (the table's
+    snapshot already shows it, the router's sink has not had it yet) another thread picks,
+    as a frontend's request can at any moment."""
+
+    def __init__(self, router: list[Router], engine_id: str) -> None:
+        self._router, self._engine_id = router, engine_id
+        self.picker: threading.Thread | None = None
+
+    def deliver(self, batch) -> None:
+        if self.picker is None and any(e.engine_id == self._engine_id for e in batch):
+            done = threading.Event()
+
+            def pick() -> None:
+                self._router[0].pick([1], 1).release()
+                done.set()
+
+            self.picker = threading.Thread(target=pick)
+            self.picker.start()
+            # The pick must wait for the batch (never set then); without that wait it
+            # would run here, before the router's sink has the batch.
+            done.wait(0.5)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_pick_during_a_removal_never_lets_an_engine_skip_the_protection() -> None:
+    fleet = fleet_of(4)
+    routers: list[Router] = []
+    during = _PickDuring(routers, "e1")
+    fleet.table.store.add_sink(during, replay=False)
+    routers.append(Router(fleet.table, policy="round_robin"))
+    assert pickable(routers[0]) == {"e0", "e1", "e2", "e3"}
+    for engine_id in ("e0", "e1", "e2", "e3"):  # four leases expiring one revision apart
+        remove(fleet, engine_id)
+    assert during.picker is not None
+    during.picker.join()
+    assert sorted(routers[0].health().unconfirmed) == ["e0", "e1", "e2", "e3"]
+
+
 def test_records_removed_on_purpose_are_never_protected() -> None:
     fleet = fleet_of(4)
     router = Router(fleet.table)

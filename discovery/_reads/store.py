@@ -308,6 +308,15 @@ class EngineStore:
         # Lock-free: each batch publishes its snapshot in one assignment.
         return self._snapshot
 
+    def settled_snapshot(self) -> RoutingSnapshot:
+        """The snapshot once every sink has its batch (waits out a delivery under way).
+
+        A reader that also takes batches (a router) sees no change in it whose batch it
+        could still miss.
+        """
+        with self._cond:
+            return self._snapshot
+
     def get(self, engine_id: str) -> EngineRecord | None:
         """The record of ``engine_id``, or None."""
         entry = self._entries.get(engine_id)

@@ -1566,6 +1566,10 @@ class Router:
     def _refresh_locked(self) -> None:
         """Catch up with the table, fences that ran out and what relays report."""
         snapshot = self._table.snapshot()
+        if snapshot is not self._snapshot:
+            # A snapshot is published before its batch reaches the sink: synced before its
+            # batch is read, a ready engine's removal would skip the loss protection.
+            snapshot = self._table.store.settled_snapshot()
         if self._batches:
             self._take_batches_locked(snapshot)
         changes = self._load_changes
