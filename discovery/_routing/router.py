@@ -816,7 +816,9 @@ class Router:
         chosen by the router's policy (by cached prefix: ``auto`` follows what the prefill
         engines advertise, ``kv_aware`` where they relay their caches), the decode engine
         by ``decode_policy`` (default by load). ``pair_within``: a label (a rack, an NVLink
-        domain) both should share: preferred, or required with ``require_within``.
+        domain) both should share: preferred (when the prefill engine's value has no
+        partner with room, the prefill side is picked again where one has; see
+        ``discovery._routing.pairs``), or required with ``require_within``.
         ``session_key`` keeps a session on the same engines of both sides. A re-pick after
         one side was lost keeps the other: ``keep_prefill`` / ``keep_decode`` (a held
         handle), ``exclude_prefill`` / ``exclude_decode`` (engine ids). With
