@@ -26,6 +26,7 @@ from discovery import (
     NoEngineAvailableError,
     OverloadedError,
     PickHandle,
+    PickPair,
     PrefixCachingCoordinatorPolicy,
     Registration,
     Router,
@@ -132,6 +133,39 @@ def test_a_rack_constraint_required_always_holds_and_preferred_holds_while_there
     add(lone, "d", "decode", rack="r1")
     with pytest.raises(NoEngineAvailableError, match="same 'rack' label"):
         Router(lone.table).pick_pair([1], 1, pair_within="rack", require_within=True)
+
+
+def test_preferred_moves_the_prefill_side_to_a_rack_with_decode_room() -> None:
+    # The least loaded prefill engine's rack has no decode room: a pair inside another
+    # rack beats it (the prefill side picked again), the first engine keeps no count.
+    fleet = Fleet()
+    for rack in ("r0", "r1"):
+        add(fleet, f"p-{rack}", "prefill", rack=rack)
+        add(fleet, f"d-{rack}", "decode", rack=rack, max_num_seqs=1)
+    router = Router(fleet.table, policy="load_balanced", wait=0)
+    busy = [router.pick([1], 1, engine_id="p-r1") for _ in range(2)]
+    first = router.pick_pair([1], 1, pair_within="rack")
+    assert (first.prefill.engine_id, first.decode.engine_id) == ("p-r0", "d-r0")
+    second = router.pick_pair([1], 1, pair_within="rack")  # p-r0 is still less loaded
+    assert (second.prefill.engine_id, second.decode.engine_id) == ("p-r1", "d-r1")
+    assert router.in_flight() == {"p-r0": 1, "d-r0": 1, "p-r1": 3, "d-r1": 1}
+    # No rack has room: no pair (wait=0), and nothing held by the attempt.
+    with pytest.raises(OverloadedError):
+        router.pick_pair([1], 1, pair_within="rack")
+    assert router.in_flight() == {"p-r0": 1, "d-r0": 1, "p-r1": 3, "d-r1": 1}
+    # A decode side that waits for room gets it when a handle is released.
+    waited: list[PickPair] = []
+    thread = threading.Thread(
+        target=lambda: waited.append(router.pick_pair([1], 1, pair_within="rack", wait=15))
+    )
+    thread.start()
+    wait_for(lambda: router.health().waiting == 1, message="the decode side waits")
+    first.decode.release()
+    thread.join(15)
+    assert [pair.decode.engine_id for pair in waited] == ["d-r0"]
+    for handle in (*busy, first.prefill, second, *waited):
+        handle.release()
+    assert set(router.in_flight().values()) == {0}
 
 
 def test_an_aggregated_engine_serves_alone_exactly_at_the_thresholds() -> None:

@@ -4,11 +4,14 @@ Megatron's rule (``_records/handoff.py``) is an equivalence: a prefill and a dec
 off exactly when their ``handoff_key`` is equal and not None. So the candidates of each
 side are grouped by key once per candidate set, and a prefill engine is *viable* when some
 decode candidate shares its key (and, with ``within`` required, the value of that label).
-A pair is picked as two picks through the router's own machinery (every filter, fencing,
-admission and its waiting, notifications): the prefill side among the viable prefill
-engines by the router's policy (cached prefix), then the decode side among the chosen
-engine's partners by load, those within the same ``within`` value first when it is
-preferred.
+A pair is picked through the router's own machinery (every filter, fencing, admission and
+its waiting, notifications), both sides in one pass under its lock when both have room:
+the prefill side among the viable prefill engines by the router's policy (cached prefix),
+then the decode side among the chosen engine's partners by load, those within the same
+``within`` value first when it is preferred. When none of those has room, the prefill side
+is picked again among the engines whose value has a partner with room (a pair kept
+together wins over the best cache); only without one does the pair leave the value. A side
+without room waits as a pick does, the sides then one after the other.
 
 Skipping the prefill hop (conditional disaggregation) means sending the request to an
 engine that computes the prompt itself: a Megatron decode engine cannot

@@ -565,8 +565,12 @@ class Router:
         )
         self._states = states
         self._handoff_keys = HandoffKeys()  # a pair's sides, by hand-off key (under the lock)
-        self._pairing: tuple[tuple[Candidate, ...], str | None, Pairing] | None = None
-        self._viable: tuple[tuple[Candidate, ...], Pairing, bool, frozenset[str]] | None = None
+        # Per candidate set (by id, the set held so the id stays its own), as policies keep
+        # theirs: picks with and without ``pair_within`` alternate without rebuilding.
+        self._pairings: dict[tuple[int, str | None], tuple[tuple[Candidate, ...], Pairing]] = {}
+        self._viable: dict[
+            tuple[int, int, bool], tuple[tuple[Candidate, ...], Pairing, frozenset[str]]
+        ] = {}
         self._load_changes = (
             None if states is None else states.load_changes(notify=self._load_changed)
         )
@@ -812,7 +816,9 @@ class Router:
         chosen by the router's policy (by cached prefix: ``auto`` follows what the prefill
         engines advertise, ``kv_aware`` where they relay their caches), the decode engine
         by ``decode_policy`` (default by load). ``pair_within``: a label (a rack, an NVLink
-        domain) both should share: preferred, or required with ``require_within``.
+        domain) both should share: preferred (when the prefill engine's value has no
+        partner with room, the prefill side is picked again where one has; see
+        ``discovery._routing.pairs``), or required with ``require_within``.
         ``session_key`` keeps a session on the same engines of both sides. A re-pick after
         one side was lost keeps the other: ``keep_prefill`` / ``keep_decode`` (a held
         handle), ``exclude_prefill`` / ``exclude_decode`` (engine ids). With
@@ -844,40 +850,146 @@ class Router:
             images=images,
         )
         deadline = time.monotonic() + timeout
-        decoding = self._policy_instance(decode_policy)
+        prefill_ask = ask._replace(roles=PREFILL, exclude=frozenset(exclude_prefill or ()))
+        decode_ask = ask._replace(
+            roles=DECODE,
+            exclude=frozenset(exclude_decode or ()),
+            policy=self._policy_instance(decode_policy),
+        )
+        prefill, decode = keep_prefill, keep_decode
         with self._lock:
             self._refresh_locked()
             alone = self._alone_locked(ask, allow_aggregated, alone_below, alone_share)
             if alone is None:
                 try:
-                    prefill_ask = self._prefill_ask_locked(
-                        ask,
-                        exclude_prefill,
-                        exclude_decode,
-                        pair_within,
-                        require_within,
-                        keep_decode=keep_decode,
+                    prefill_ask, pairing = self._sides_locked(
+                        prefill_ask, decode_ask, pair_within, require_within, keep_decode
                     )
                 except NoEngineAvailableError:
                     alone = self._alone_locked(ask, allow_aggregated, None, None)
                     if alone is None:
                         raise
+                else:
+                    if ask.split is None:  # a split draws each side's group as a pick does
+                        prefill, decode = self._pair_now_locked(
+                            prefill_ask,
+                            decode_ask,
+                            pairing,
+                            require_within,
+                            keep_prefill=keep_prefill,
+                            keep_decode=keep_decode,
+                        )
         if alone is not None:
             return PickPair(None, self._pick_ask(alone, timeout))
-        prefill = keep_prefill or self._pick_ask(prefill_ask, timeout)
+        for handle in (prefill, decode):
+            if handle is not None and handle is not keep_prefill and handle is not keep_decode:
+                self._picked(handle)
+        if prefill is not None and decode is not None:
+            return PickPair(prefill, decode)
+        # A side waits for room: one after the other, each side as a pick.
+        prefill = prefill or self._pick_ask(prefill_ask, timeout)
         try:
             with self._lock:
                 self._refresh_locked()
-                near, every, only = self._partners_locked(
-                    ask, prefill, exclude_decode, pair_within, require_within
+                side = self._side_locked(decode_ask)
+                near, every = self._partners_locked(
+                    self._pairing_locked(side, pair_within), prefill, require_within
                 )
-            decode_ask = ask._replace(roles=DECODE, policy=decoding, only=only)
+            # The pool's own tuple reaches the policy unfiltered (its caches key on it).
+            if decode_ask.exclude or len(every) < len(side):
+                decode_ask = decode_ask._replace(only=ids(every))
             decode = keep_decode or self._decode_locked_or_wait(decode_ask, near, every, deadline)
         except BaseException:
             if keep_prefill is None:
                 prefill.release()  # no outcome: the engine did nothing
             raise
         return PickPair(prefill, decode)
+
+    def _pair_now_locked(
+        self,
+        prefill_ask: _Ask,
+        decode_ask: _Ask,
+        pairing: Pairing,
+        required: bool,
+        *,
+        keep_prefill: PickHandle | None,
+        keep_decode: PickHandle | None,
+    ) -> tuple[PickHandle | None, PickHandle | None]:
+        """Both sides in one pass, each held if it has room now: (prefill, decode).
+
+        A side without room is None (the prefill side's None leaves the decode side None):
+        ``pick_pair`` then picks it as ``pick`` does, waiting for room.
+        """
+        if self._admission.waiters:
+            self._serve_locked()  # those waiting come first
+        if keep_prefill is None:
+            try:
+                prefill = self._try_locked(prefill_ask, None)
+            except NoEngineAvailableError:
+                self._metrics.no_engine()
+                raise
+            if prefill is None or keep_decode is not None:
+                return prefill, keep_decode
+        else:
+            prefill = keep_prefill
+        try:
+            near, every = self._partners_locked(pairing, prefill, required)
+            if len(near) < len(every):  # preferred: within the label first
+                decode = self._try_locked(decode_ask, None, near) if near else None
+                if decode is not None:
+                    return prefill, decode
+                if keep_prefill is None:
+                    nearer = self._nearer_locked(prefill_ask, decode_ask, pairing)
+                    if nearer is not None:
+                        self._unpick_locked(prefill)
+                        return nearer
+            return prefill, self._try_locked(decode_ask, None, every)
+        except BaseException:
+            if keep_prefill is None:
+                self._unpick_locked(prefill)
+            raise
+
+    def _nearer_locked(
+        self, prefill_ask: _Ask, decode_ask: _Ask, pairing: Pairing
+    ) -> tuple[PickHandle, PickHandle] | None:
+        """A pair within one value of the label, the prefill side picked again (preferred).
+
+        For when the prefill engine picked has no partner with room within its own value:
+        the prefill side among the engines that have one; None when none with room has one.
+        A pair kept together wins over the best prefill engine's cache: the caller asked
+        for it, and a hand-off out of the rack moves the whole prompt's KV across it.
+        """
+        has_room, priority = self._admission.has_room, decode_ask.priority
+        roomy = {
+            pair: group
+            for pair, group in pairing.near.items()
+            if not decode_ask.admit or any(has_room(e, priority) for e in group)
+        }
+        if not roomy:
+            return None
+        within, keys, only = pairing.within, pairing.keys, prefill_ask.only
+        assert within is not None  # near is empty without it
+        partners: dict[Candidate, tuple[Candidate, ...]] = {}  # prefill engine -> near ones
+        for engine in self._side_locked(prefill_ask):
+            if only is None or engine.engine_id in only:
+                key, value = keys(engine.record), engine.record.labels.get(within)
+                if key is not None and value is not None and (key, value) in roomy:
+                    partners[engine] = roomy[key, value]
+        prefill = self._try_locked(prefill_ask, None, tuple(partners)) if partners else None
+        if prefill is None:
+            return None
+        decode = self._try_locked(decode_ask, None, partners[prefill._engine])
+        assert decode is not None  # one had room, and nothing was taken since
+        return prefill, decode
+
+    def _unpick_locked(self, handle: PickHandle) -> None:
+        """Take back a handle never given out: no outcome, no notice."""
+        handle._released = True
+        handle._until = self._losses
+        handle._engine._release()
+        self._held -= 1
+        if self._admission.waiters:
+            self._serve_locked()  # its room
 
     def _decode_locked_or_wait(
         self,
@@ -893,6 +1005,8 @@ class Router:
         return self._pick_ask(ask, max(0.0, deadline - time.monotonic()))
 
     def _policy_instance(self, policy: RoutingPolicy | str | Policy) -> Policy:
+        if isinstance(policy, str) and policy in self._builtins:
+            return self._builtins[RoutingPolicy(policy)]  # no ABC check: the common case
         chosen = _policy_argument(policy)
         if isinstance(chosen, Policy):
             return chosen
@@ -900,26 +1014,26 @@ class Router:
             raise ValueError(f"policy {chosen.value!r} cannot choose one side of a pair")
         return self._builtins[chosen]
 
-    def _prefill_ask_locked(
+    def _sides_locked(
         self,
-        ask: _Ask,
-        exclude_prefill: Collection[str] | None,
-        exclude_decode: Collection[str] | None,
+        prefill_ask: _Ask,
+        decode_ask: _Ask,
         within: str | None,
         required: bool,
-        *,
         keep_decode: PickHandle | None,
-    ) -> _Ask:
-        """The prefill side's pick: the prefill engines some decode candidate can take."""
-        prefill = ask._replace(roles=PREFILL, exclude=frozenset(exclude_prefill or ()))
-        prefills = self._side_locked(prefill)
-        if keep_decode is not None:
-            decodes: tuple[Candidate, ...] = (keep_decode._engine,)
-        else:
-            decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
-            decodes = self._side_locked(decode)
+    ) -> tuple[_Ask, Pairing]:
+        """The prefill side's pick, and the decode candidates by hand-off key.
+
+        The prefill side: the prefill engines some decode candidate can take (those of
+        ``keep_decode``'s engine when it is kept).
+        """
+        prefills = self._side_locked(prefill_ask)
+        decodes = (
+            (keep_decode._engine,) if keep_decode is not None else self._side_locked(decode_ask)
+        )
         self._handoff_keys.trim(len(prefills) + len(decodes))
-        viable = self._viable_locked(prefills, self._pairing_locked(decodes, within), required)
+        pairing = self._pairing_locked(decodes, within)
+        viable = self._viable_locked(prefills, pairing, required)
         if not viable:
             raise NoEngineAvailableError(
                 f"no pair can hand off: none of the {len(prefills)} prefill candidates has a "
@@ -928,31 +1042,21 @@ class Router:
                 + (f" ({handoff_problem(prefills[0].record, decodes[0].record)})"
                    if prefills and decodes else "")
             )  # fmt: skip
-        # Every one viable: no filter, so the policy sees the pool's own tuple.
-        return prefill._replace(only=None if len(viable) == len(prefills) else viable)
+        if len(viable) < len(prefills):  # else no filter: the policy sees the pool's tuple
+            prefill_ask = prefill_ask._replace(only=viable)
+        return prefill_ask, pairing
 
+    @staticmethod
     def _partners_locked(
-        self,
-        ask: _Ask,
-        prefill: PickHandle,
-        exclude_decode: Collection[str] | None,
-        within: str | None,
-        required: bool,
-    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...], frozenset[str] | None]:
-        """The decode candidates ``prefill``'s engine can hand off to: (near, all, only).
-
-        ``only``: the ids of all, or None when they are the whole decode pool (no filter).
-        """
-        decode = ask._replace(roles=DECODE, exclude=frozenset(exclude_decode or ()))
-        side = self._side_locked(decode)
-        near, every = self._pairing_locked(side, within).partners(prefill._engine, required)
+        pairing: Pairing, prefill: PickHandle, required: bool
+    ) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """The decode candidates ``prefill``'s engine can hand off to: (near, all)."""
+        near, every = pairing.partners(prefill._engine, required)
         if not every:
             raise NoEngineAvailableError(
                 f"no decode candidate can take {prefill.engine_id}'s hand-off now"
             )
-        # The pool's own tuple reaches the policy unfiltered (its caches key on it).
-        whole = not decode.exclude and len(every) == len(side)
-        return near, every, None if whole else ids(every)
+        return near, every
 
     def _side_locked(self, ask: _Ask) -> tuple[Candidate, ...]:
         """One side's candidates: every filter but capacity (a pick waits for room)."""
@@ -965,22 +1069,27 @@ class Router:
 
     def _pairing_locked(self, decodes: tuple[Candidate, ...], within: str | None) -> Pairing:
         """``decodes`` grouped by hand-off key: kept while the pool's tuple is the same."""
-        memo = self._pairing
-        if memo is not None and memo[0] is decodes and memo[1] == within:
-            return memo[2]
+        kept = self._pairings.get((id(decodes), within))
+        if kept is not None and kept[0] is decodes:
+            return kept[1]
+        if len(self._pairings) >= _MAX_POOLS:
+            self._pairings.clear()
         pairing = Pairing.of(decodes, self._handoff_keys, within)
-        self._pairing = (decodes, within, pairing)
+        self._pairings[id(decodes), within] = (decodes, pairing)
         return pairing
 
     def _viable_locked(
         self, prefills: tuple[Candidate, ...], pairing: Pairing, required: bool
     ) -> frozenset[str]:
         """The ids of ``prefills`` with a partner in ``pairing``: kept as the pairing is."""
-        memo = self._viable
-        if memo is not None and memo[0] is prefills and memo[1] is pairing and memo[2] == required:
-            return memo[3]
+        key = (id(prefills), id(pairing), required)
+        kept = self._viable.get(key)
+        if kept is not None and kept[0] is prefills and kept[1] is pairing:
+            return kept[2]
+        if len(self._viable) >= _MAX_POOLS:
+            self._viable.clear()
         viable = ids([p for p in prefills if pairing.partners(p, required)[1]])
-        self._viable = (prefills, pairing, required, viable)
+        self._viable[key] = (prefills, pairing, viable)
         return viable
 
     def _alone_locked(
@@ -1319,10 +1428,13 @@ class Router:
         self._metrics.picked(handle.policy)
         self._deliver_notices()
 
-    def _try_locked(self, ask: _Ask, started: float | None) -> PickHandle | None:
+    def _try_locked(
+        self, ask: _Ask, started: float | None, among: tuple[Candidate, ...] | None = None
+    ) -> PickHandle | None:
         """The engine for ``ask`` now, held; None when admission finds no room.
 
-        ``started``: when a waiting pick began to wait (None: it did not).
+        ``started``: when a waiting pick began to wait (None: it did not). ``among``: the
+        candidates, already filtered (a pair's side within a label), instead of ``ask``'s.
         """
         try:
             pool = self._pool_locked(
@@ -1332,15 +1444,15 @@ class Router:
             if ask.pin is not None and not ask.fallback:
                 raise self._not_a_candidate_locked(ask) from None
             raise
-        candidates = pool.candidates
-        if ask.exclude:
+        candidates = pool.candidates if among is None else among
+        if among is None and ask.exclude:
             candidates = tuple(e for e in candidates if e.engine_id not in ask.exclude)
             if not candidates:
                 raise NoEngineAvailableError(
                     f"every one of the {len(pool.candidates)} candidate engines is excluded "
                     f"({', '.join(sorted(ask.exclude))})"
                 )
-        if ask.only is not None:
+        if among is None and ask.only is not None:
             candidates = tuple(e for e in candidates if e.engine_id in ask.only)
             if not candidates:
                 raise NoEngineAvailableError(
