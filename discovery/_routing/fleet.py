@@ -421,7 +421,10 @@ class FleetClient:
         if isinstance(tokens, str):
             tokens = ()  # no token ids: no affinity, only load
         generate = _get(sampling_params, "num_tokens_to_generate") or 0
-        return _Route(prompt, sampling_params, multi_modal_data, tokens, int(generate))
+        # tuple.__new__: no NamedTuple Python-level __new__ (this runs per request)
+        return tuple.__new__(
+            _Route, (prompt, sampling_params, multi_modal_data, tokens, int(generate))
+        )
 
     async def _pick(
         self,
@@ -874,13 +877,14 @@ class _Request(asyncio.Future[Any]):
         """Send on ``handle``'s engine (its loss heard): at once when its client is open."""
         self._handle = handle
         fleet = self._fleet
-        engine = fleet._engines.get(handle.engine_id)
-        address = handle.endpoint.coordinator_address
+        record = handle.record  # read once: the handle's shortcuts are properties
+        engine = fleet._engines.get(record.engine_id)
+        address = record.endpoint.coordinator_address
         if engine is not None and engine.address == address and engine.client is not None:
             self._submit(handle, engine.client)
             return
         if engine is None or engine.address != address:
-            engine = fleet._open(handle.engine_id, handle.record)
+            engine = fleet._open(record.engine_id, record)
         engine.ready.add_done_callback(lambda ready: self._reached(handle, ready))
 
     def _reached(self, handle: PickHandle, ready: asyncio.Future[EngineClient]) -> None:

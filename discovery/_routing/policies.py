@@ -264,11 +264,13 @@ class Candidate:
 
     def _acquire(self) -> None:
         self.in_flight += 1
-        self._rescore()
+        self.load += 1  # _rescore's, inline: once per pick
+        self._score = (self.load + 1) / self.capacity
 
     def _release(self) -> None:
         self.in_flight -= 1
-        self._rescore()
+        self.load -= 1  # _rescore's, inline: once per release
+        self._score = (self.load + 1) / self.capacity
 
     def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
         self.others = others

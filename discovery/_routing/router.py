@@ -101,7 +101,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 from discovery._errors import NoEngineAvailableError, NotACandidateError, OverloadedError
 from discovery._metrics import NO_METRICS, MetricsHooks
@@ -600,7 +600,7 @@ class Router:
         self._next_check = 0.0  # when a pick next looks at unconfirmed engines' evidence
         self._notices: list[tuple[PickHandle, Listener, str]] = []  # told after the lock
         self._batches: collections.deque[tuple[Batch, float]] = collections.deque()
-        self._plain: tuple[_Ask, float] | None = None  # _plain_ask's, checked once
+        self._plain: tuple[tuple[Any, ...], float] | None = None  # _plain_ask's, checked once
         weakref.finalize(self, table.store.add_sink(_TableSink(self), replay=False))
         if metrics is not None:
             metrics.observe_router(self)
@@ -1255,10 +1255,12 @@ class Router:
                 wait=None,
                 priority=0,
             )
-            self._plain = ask, timeout
+            self._plain = ask[2:], timeout
             return ask, timeout
-        plain, timeout = self._plain
-        return _Ask(prompt_tokens, max_tokens, *plain[2:]), timeout
+        rest, timeout = self._plain
+        # Per request: tuple.__new__ skips the NamedTuple's Python-level __new__, and a
+        # concatenation is cheaper than unpacking ``rest``.
+        return tuple.__new__(_Ask, (prompt_tokens, max_tokens) + rest), timeout  # noqa: RUF005
 
     def _ask(
         self,
@@ -1426,7 +1428,8 @@ class Router:
 
     def _picked(self, handle: PickHandle) -> None:
         self._metrics.picked(handle.policy)
-        self._deliver_notices()
+        if self._notices:  # rarely: no call per pick
+            self._deliver_notices()
 
     def _try_locked(
         self, ask: _Ask, started: float | None, among: tuple[Candidate, ...] | None = None
@@ -1466,12 +1469,9 @@ class Router:
             if not ask.fallback:
                 raise self._not_a_candidate_locked(ask)
         policy = self._session_policy if ask.session is not None else ask.policy or pool.policy
-        request = PickRequest(
-            ask.prompt_tokens,
-            ask.max_tokens,
-            ask.selector,
-            ask.block_hashes,
-            ask.session,
+        request = tuple.__new__(  # as _plain_ask: no Python-level __new__ per pick
+            PickRequest,
+            (ask.prompt_tokens, ask.max_tokens, ask.selector, ask.block_hashes, ask.session),
         )
         choice = policy.choose(candidates, request)
         engine = choice.candidate if isinstance(choice, Choice) else choice
@@ -1604,7 +1604,8 @@ class Router:
                 self._serve_locked()
         if failed:
             self._metrics.request_failed(outcome)
-        self._deliver_notices()
+        if self._notices:  # rarely: no call per release
+            self._deliver_notices()
 
     def _failed_locked(self, engine: Candidate) -> str:
         engine_id = engine.engine_id
@@ -1696,7 +1697,7 @@ class Router:
             self._check_unconfirmed_locked()  # before the sync: an eviction rebuilds
         if snapshot is not self._snapshot:
             self._sync_locked(snapshot)
-        if self._fences.expire():
+        if self._fences.fenced and self._fences.expire():  # the first: no call per pick
             self._pools.clear()
 
     def _take_batches_locked(self, snapshot: RoutingSnapshot) -> None:
@@ -1843,7 +1844,9 @@ class Router:
         roles: frozenset[EngineRole] = ALONE,
     ) -> _Pool:
         """The candidates of one pick: every filter runs here (role, fit, labels, versions...)."""
-        fit = self._fit_locked(prompt_len + max_tokens)
+        need = prompt_len + max_tokens
+        # Most requests fit every engine: no call (this runs per pick).
+        fit = len(self._ordered) if need <= self._min_context else self._fit_locked(need)
         key = (selector, fit, versions, roles)
         pool = self._pools.get(key)
         if pool is None:
