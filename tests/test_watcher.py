@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import etcd3
 import pytest
@@ -35,6 +35,9 @@ from discovery import (
     list_engines,
     watch_table,
 )
+from discovery._backoff import Backoff
+from discovery._etcd.port import KeyValue, WatchResponse
+from discovery._etcd.reflector import Reflector
 from discovery._records.codec import encode
 from discovery._records.record import EngineRecord
 
@@ -438,6 +441,49 @@ def test_a_delete_at_the_compaction_revision_is_not_lost(etcd3) -> None:
         etcd3.wait_healthy(members=[member])
         table.wait_until(lambda snap: set(snap) == {"e1"}, timeout=15)
     conn.close()
+
+
+class _Listings:
+    """A reflector's target that keeps each listing's keys."""
+
+    def __init__(self) -> None:
+        self.listings: list[set[bytes]] = []
+
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
+        revision, keys = 0, set()
+        for revision, kvs in pages:  # noqa: B007 (the last page's revision is the listing's)
+            keys |= {kv.key for kv in kvs}
+        self.listings.append(keys)
+        return revision
+
+    def apply(self, response: WatchResponse) -> None:
+        pass
+
+
+def test_a_watch_that_finds_its_revision_compacted_lists_at_once(settings: Settings) -> None:
+    """A compaction answer is etcd answering, not a failure: the list comes without the
+    backoff a failure waits (here a minute), so a registrar's record watch resumed past a
+    compaction learns at once what happened to its key."""
+    conn = Connection(settings)
+    key = settings.keyspace.key("e0")
+    try:
+        put = raw_call(conn, lambda c: c.put(key, _value(0)))
+        raw_call(conn, lambda c: c.put(key, _value(1)))
+        raw_call(conn, lambda c: c.compact(conn.get(key).mod_revision, physical=True))
+        target = _Listings()
+        slow = Backoff(initial=60.0, maximum=60.0)
+        reflector = Reflector(
+            conn, key, target, name="test", heartbeat=10, progress_interval=10, backoff=slow
+        )
+        # Started at a compacted revision, as a record watch is at its owner's write.
+        reflector.start(put.header.revision, thread_name="test-reflector")
+        try:
+            wait_for(lambda: target.listings, timeout=10, message="a listing, without backoff")
+            assert target.listings == [{key.encode()}]
+        finally:
+            reflector.stop()
+    finally:
+        conn.close()
 
 
 def test_frozen_etcd_is_detected_by_the_watchdog(etcd) -> None:

@@ -18,8 +18,9 @@ A ``Reflector`` keeps one consumer (its ``Target``) current with one range of et
    after a stream that lived ``HEALTHY_AFTER`` s, at most a quarter election timeout
    after ``NoLeaderError`` (a partitioned member: another answers), then watch again from
    the held revision on whichever member the port picks.
-4. **Compacted**: list again (step 1); the target computes the difference, deletions
-   missed while away included.
+4. **Compacted**: list again (step 1) at once, not after a backoff (etcd answered; a
+   second one in a row backs off); the target computes the difference, deletions missed
+   while away included.
 
 The loop is a generator of steps, each ending after a delivery to the target (a listing,
 or a response with events). It runs on a thread of its own, or on a dispatcher's threads
@@ -270,6 +271,7 @@ class Reflector:
         try:
             starting()
             attempt = 0
+            compacted = False  # the last failure was a Compacted
             first = self._watch_after_start if listed_by_start else None
             while not self._stop.is_set():
                 step, first = first or self._list_and_watch, None
@@ -280,9 +282,12 @@ class Reflector:
                     if self._stop.is_set():
                         return
                     self._interrupted(exc)
+                    compacted, was_compacted = isinstance(exc, Compacted), compacted
                     if time.monotonic() - opened >= HEALTHY_AFTER:
                         attempt = 0
                         continue  # a stream that worked for a while: again at once
+                    if compacted and not was_compacted:
+                        continue  # etcd answered: list at once (a second time: backoff)
                     delay = self._backoff.delay(attempt)
                     if isinstance(exc, NoLeaderError):
                         # A partition or an election: another member (or this one, once it
