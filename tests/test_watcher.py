@@ -468,8 +468,8 @@ def test_a_watch_that_finds_its_revision_compacted_lists_at_once(settings: Setti
     key = settings.keyspace.key("e0")
     try:
         put = raw_call(conn, lambda c: c.put(key, _value(0)))
-        raw_call(conn, lambda c: c.put(key, _value(1)))
-        raw_call(conn, lambda c: c.compact(conn.get(key).mod_revision, physical=True))
+        newer = raw_call(conn, lambda c: c.put(key, _value(1)))
+        raw_call(conn, lambda c: c.compact(newer.header.revision, physical=True))
         target = _Listings()
         slow = Backoff(initial=60.0, maximum=60.0)
         reflector = Reflector(
