@@ -9,11 +9,16 @@ Real etcd (a private member), stand-in engines speaking Megatron's coordinator w
 * **Overhead.** ``OVERHEAD_ENGINES`` stand-in coordinators in two engine-host processes
   (each registers its engines with ``register_engine``, token delay 0). The same short
   requests (a 16-token prompt, 1 token generated), ``CONCURRENCY`` at a time, are sent
-  directly (one started client per engine, taken in turn) and through ``FleetClient``
-  (``round_robin``, and the router's default policy); rounds alternate, the median round
-  counts. Figures: requests/s and this process's CPU (user + system, every thread) per
-  request. Target: fleet CPU per request <= 1.25 x direct (``round_robin``, the same
-  spread as the direct path's).
+  directly (one started client per engine, taken in turn), through ``FleetClient``
+  (``round_robin``, and the router's default policy), and two ways between, to show
+  where the cost is: the direct path with a ``Router.pick`` released at once before each
+  request (the router's pick alone), and as a frontend does it by hand without the fleet
+  client (``Router.pick``, ``round_robin``, the engine's client, the handle released on
+  the reply). Rounds alternate. Figures: requests/s and this process's CPU (user +
+  system, every thread) per request, the medians of the rounds; "x direct", the median
+  (and range) of each round's CPU per request over that of the direct round just before
+  it. Target: fleet CPU per request <= 1.25 x direct (``round_robin``, the same spread as
+  the direct path's).
 * **Losses.** ``LOSS_ENGINES`` stand-in engines each under ``discovery launch`` (``--ttl
   3``, ``--stall-timeout 2``: the stand-in sends progress every 0.5 s). ``IN_FLIGHT``
   requests of ``LOSS_TOKENS`` tokens (``LOSS_DELAY`` s a token) are sent through the fleet
@@ -68,7 +73,7 @@ from tests.helpers import STAND_IN, Launcher, cli_env
 OVERHEAD_ENGINES = 64
 CONCURRENCY = 128
 REQUESTS = 3000  # per round
-ROUNDS = 5  # of each path, alternating
+ROUNDS = 25  # of each path, alternating
 SHORT = {"num_tokens_to_generate": 1}
 LOSS_ENGINES = 8
 IN_FLIGHT = 100
@@ -195,12 +200,19 @@ async def _drive(send: Callable[[int], Any]) -> tuple[float, float]:
 
 
 async def _overhead(settings: Settings) -> dict[str, list[tuple[float, float]]]:
-    rounds: dict[str, list[tuple[float, float]]] = {"direct": [], "fleet": [], "default": []}
+    rounds: dict[str, list[tuple[float, float]]] = {
+        "direct": [],
+        "pick_only": [],
+        "by_hand": [],
+        "fleet": [],
+        "default": [],
+    }
     with watch_table(settings) as table:
         table.wait_until(lambda s: len(s) == OVERHEAD_ENGINES, timeout=60)
-        addresses = [r.endpoint.coordinator_address for r in table.snapshot().values()]
+        records = table.snapshot()
         loop = asyncio.get_running_loop()
-        direct = [InferenceClient(a) for a in addresses]
+        by_id = {e: InferenceClient(r.endpoint.coordinator_address) for e, r in records.items()}
+        direct = list(by_id.values())
         for client in direct:
             await asyncio.to_thread(client.start, loop, 10.0)
         fleets = {
@@ -215,6 +227,8 @@ async def _overhead(settings: Settings) -> dict[str, list[tuple[float, float]]]:
                 await _until(lambda f=fleet: len(f.clients) == OVERHEAD_ENGINES, "clients")
             paths: dict[str, Callable[[int], Any]] = {
                 "direct": lambda i: direct[i % len(direct)].add_request(prompt(i), SHORT),
+                "pick_only": _pick_only(Router(table, policy="round_robin"), direct),
+                "by_hand": _by_hand(Router(table, policy="round_robin"), by_id),
                 **{name: _sender(fleet) for name, fleet in fleets.items()},
             }
             for send in paths.values():  # a warm-up round each, not counted
@@ -228,6 +242,32 @@ async def _overhead(settings: Settings) -> dict[str, list[tuple[float, float]]]:
             for client in direct:
                 client.stop()
     return rounds
+
+
+def _pick_only(router: Router, clients: list[InferenceClient]) -> Callable[[int], Any]:
+    """The direct path, with a pick released at once before each request."""
+
+    def send(i: int) -> Any:
+        tokens = prompt(i)
+        router.pick(tokens, 1).release()
+        return clients[i % len(clients)].add_request(tokens, SHORT)
+
+    return send
+
+
+def _by_hand(router: Router, clients: dict[str, InferenceClient]) -> Callable[[int], Any]:
+    """A request as a frontend sends it without the fleet client: pick, send, release."""
+
+    def send(i: int) -> Any:
+        tokens = prompt(i)
+        handle = router.pick(tokens, 1)
+        reply = clients[handle.engine_id].add_request(tokens, SHORT)
+        reply.add_done_callback(
+            lambda r: handle.release(failed=r.cancelled() or r.exception() is not None)
+        )
+        return reply
+
+    return send
 
 
 def _sender(fleet: FleetClient) -> Callable[[int], Any]:
@@ -412,14 +452,27 @@ def figures(
         name: (statistics.median(r for r, _ in each), statistics.median(c for _, c in each))
         for name, each in rounds.items()
     }
-    direct_cpu = median["direct"][1]
+    # Each round against the direct round just before it: the machine's speed drifts
+    # between runs and within one (the direct path's CPU per request moved 77-120 us).
+    ratio = {
+        name: sorted(c / d for (_, c), (_, d) in zip(each, rounds["direct"], strict=True))
+        for name, each in rounds.items()
+    }
     names = {
         "direct": "direct (a client per engine, in turn)",
+        "pick_only": "direct, a pick and its release before each",
+        "by_hand": "by hand: Router.pick, released on the reply",
         "fleet": "FleetClient, round_robin",
         "default": "FleetClient, default policy",
     }
     rows = [
-        (names[n], f"{rps:.0f}", f"{cpu * 1e6:.0f}", f"{cpu / direct_cpu:.2f}")
+        (
+            names[n],
+            f"{rps:.0f}",
+            f"{cpu * 1e6:.0f}",
+            f"{statistics.median(ratio[n]):.2f}",
+            f"{ratio[n][0]:.2f}-{ratio[n][-1]:.2f}",
+        )
         for n, (rps, cpu) in median.items()
     ]
     loss_rows = [(x["row"], IN_FLIGHT, x["on_it"], x["lost"], f"{x['last']:.2f}") for x in losses]
@@ -429,7 +482,9 @@ def figures(
             f"overhead: {OVERHEAD_ENGINES} engines, {CONCURRENCY} requests at a time, "
             f"{REQUESTS} a round, median of {ROUNDS} rounds",
             "",
-            table_text(("path", "requests/s", "CPU us/request", "x direct"), rows),
+            table_text(
+                ("path", "requests/s", "CPU us/request", "x direct", "x direct, rounds"), rows
+            ),
             "",
             f"losses: {LOSS_ENGINES} engines, {IN_FLIGHT} requests of {LOSS_TOKENS} tokens "
             f"({LOSS_DELAY * LOSS_TOKENS:g} s each) in flight",
@@ -449,7 +504,7 @@ def figures(
         ]
     )
     targets = [
-        Target("fleet CPU per request / direct", median["fleet"][1] / direct_cpu, 1.25, "x"),
+        Target("fleet CPU per request / direct", statistics.median(ratio["fleet"]), 1.25, "x"),
         *(Target(f"requests lost, {x['row']}", x["lost"], 0, "requests") for x in losses),
         Target("submits reaching a paused engine", refit["paused_submits"], 0, "submits"),
         Target("answered on an older version", refit["stale"], 0, "replies"),
