@@ -453,7 +453,7 @@ def figures(
         for name, each in rounds.items()
     }
     # Each round against the direct round just before it: the machine's speed drifts
-    # between runs and within one (the direct path's CPU per request moved 77-120 us).
+    # between runs and within one (the direct path's CPU per request moved 77-127 us, 2026-12-06).
     ratio = {
         name: sorted(c / d for (_, c), (_, d) in zip(each, rounds["direct"], strict=True))
         for name, each in rounds.items()
