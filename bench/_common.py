@@ -285,6 +285,19 @@ def read_json(name: str) -> dict | None:
 
 
 @contextlib.contextmanager
+def burners(n: int) -> Iterator[list[int]]:
+    """``n`` CPU-burning processes, stopped by pid on the way out."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+@contextlib.contextmanager
 def etcd_cluster(size: int = 1, **kwargs) -> Iterator[EtcdCluster]:
     """A private etcd cluster on free loopback ports, always stopped (by pid) at the end."""
     cluster = EtcdCluster(size, **kwargs)

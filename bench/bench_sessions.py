@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from _common import (
     LABELS,
     CpuMeter,
     Target,
+    burners,
     etcd_cluster,
     make_endpoint,
     record_results,
@@ -70,19 +68,6 @@ def _counted(name: str):
 
 for _name in COUNTED:
     setattr(CountingConnection, _name, _counted(_name))
-
-
-@contextlib.contextmanager
-def burners(n: int) -> Iterator[list[int]]:
-    """``n`` CPU-burning processes, stopped by pid on the way out."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield [p.pid for p in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
 
 
 def register_many(conn: Connection, count: int, ttl: int, session: Session | None) -> list:
