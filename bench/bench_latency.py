@@ -51,11 +51,11 @@ from discovery import (
     EndpointWatcher,
     RoutingTable,
     Settings,
-    _registration,
     register_engine,
 )
 from discovery._records.codec import encode
 from discovery._records.record import EngineRecord
+from discovery._writes import registration as _registration
 
 WARMUP = 50
 TTL = 60

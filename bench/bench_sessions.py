@@ -42,7 +42,7 @@ from _common import (
 )
 
 from discovery import Connection, RegistrationState, Session, Settings, register_engine
-from discovery import _lease as lease_module
+from discovery._writes import lease as lease_module
 
 COUNTED = ("grant", "create", "create_many", "update", "revoke", "lease_info")
 

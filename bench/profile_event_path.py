@@ -28,7 +28,9 @@ import etcd3
 from _common import LABELS, etcd_cluster, host_port, make_endpoint, percentile, table_text
 from bench_latency import _patch_etcd3_six
 
-from discovery import EndpointWatcher, RoutingTable, Settings, _store, _watcher
+from discovery import EndpointWatcher, RoutingTable, Settings
+from discovery._reads import store as _store
+from discovery._reads import watcher as _watcher
 from discovery._records.codec import encode
 from discovery._records.record import EngineRecord
 
