@@ -475,7 +475,14 @@ def test_secured_cluster_end_to_end_as_compose_runs_it(tls_etcd, tmp_path):
     secrets = write_passwords(
         tmp_path / "secrets", {"engine-default": "engine-pw", "router-default": "router-pw"}
     )
-    assert run_roles(cluster, "default", password_dir=secrets).returncode == 0
+    roles = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["etcd-roles"]["environment"]
+    wait = {"ROLES_WAIT_SECONDS": roles["ROLES_WAIT_SECONDS"]}
+    assert run_roles(cluster, "default", password_dir=secrets, extra_env=wait).returncode == 0
+    # Every `docker compose up` runs it again: with auth on, the admin certificate's health
+    # check is denied (its CN names no user), which counts as etcd answering.
+    again = run_roles(cluster, "default", password_dir=secrets, extra_env=wait)
+    assert again.returncode == 0, again.stderr
+    assert "etcd answered after" in again.stdout and "auth is on" in again.stdout
     base = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
     base.update(
         DISCOVERY_ETCD_ENDPOINTS=",".join(cluster.endpoints),
@@ -855,6 +862,13 @@ def test_compose_file_validates_against_the_compose_spec(tmp_path):
 REGISTER = ["discovery", "register"]
 
 
+def seconds(duration: str) -> int:
+    """A Compose / etcdctl duration in whole seconds ("5s", "3m")."""
+    match = re.fullmatch(r"(\d+)([sm])", duration)
+    assert match, duration
+    return int(match[1]) * (60 if match[2] == "m" else 1)
+
+
 def test_compose_topology_is_secured_etcd_engines_and_router():
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
     services = compose["services"]
@@ -867,7 +881,21 @@ def test_compose_topology_is_secured_etcd_engines_and_router():
         assert env["ETCD_INITIAL_CLUSTER"].count("https://") == 3
     roles = services["etcd-roles"]
     assert roles["command"][0] == "etcd-roles.sh"
-    assert all(c["condition"] == "service_healthy" for c in roles["depends_on"].values())
+    # etcd-roles waits for the members itself: Compose would abort `up` on a member that is
+    # being restarted (Docker reports it unhealthy), though it comes back and joins.
+    assert roles["depends_on"] == {m: {"condition": "service_started"} for m in members}
+    wait = int(roles["environment"]["ROLES_WAIT_SECONDS"])
+    assert wait > 0
+    # A member crashing while it runs fails one etcdctl call: it is idempotent, run it again.
+    assert roles["restart"].startswith("on-failure:")
+    health = services["etcd-0"]["healthcheck"]
+    # etcdctl fails (and says why) before Docker's timeout would kill it, and a member still
+    # joining stays "starting" for as long as etcd-roles waits for it.
+    flags = dict(a.removeprefix("--").split("=") for a in health["test"] if "timeout=" in a)
+    assert seconds(flags["dial-timeout"]) + seconds(flags["command-timeout"]) < seconds(
+        health["timeout"]
+    )
+    assert seconds(health["start_period"]) >= wait
     engines = [n for n, s in services.items() if s.get("command", [])[:2] == REGISTER]
     assert engines == ["engine-a", "engine-b"]
     assert services["router"]["command"][:2] == ["discovery", "watch"]
