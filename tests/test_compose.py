@@ -197,7 +197,7 @@ class Demo:
 
     def container(self, service: str) -> dict:
         """docker inspect of the service's container."""
-        ids = self.run(f"docker compose ps -q {service}").split()
+        ids = self.run(f"docker compose ps -aq {service}").split()  # -a: v2 lists running ones only
         assert len(ids) == 1, ids
         out = subprocess.run(
             ["docker", "inspect", ids[0]], capture_output=True, text=True, check=True
