@@ -32,6 +32,9 @@
 #   DISCOVERY_ROOT      key root, as the package reads it (default /inference/v1).
 #   ROLES_ENABLE_AUTH   1 (default): `auth enable` at the end; 0: leave auth as it is.
 #   ROLES_ETCDCTL       the etcdctl binary (default: etcdctl on PATH).
+#   ROLES_WAIT_SECONDS  0 (default): etcd must answer at once. N: first wait up to N seconds
+#                       for every endpoint of ETCDCTL_ENDPOINTS to serve a quorum read (a
+#                       cluster still forming, a member restarting), then fail naming them.
 #
 # Passwords are read from files or the environment and handed to etcdctl on stdin or in
 # its environment, never on a command line (ps would show them). etcdctl reads a password
@@ -107,6 +110,30 @@ for ns in "$@"; do
         done
     fi
 done
+
+# Wait for etcd (ROLES_WAIT_SECONDS): every endpoint passes `endpoint health`, a quorum
+# read. Denied counts as answered, since etcd checks permissions after the read's quorum
+# round: an anonymous client ("user name is empty") or a certificate CN that names no user.
+wait_seconds=${ROLES_WAIT_SECONDS:-0}
+[[ $wait_seconds =~ ^[0-9]+$ ]] || die "ROLES_WAIT_SECONDS=$wait_seconds: give a whole number of seconds"
+if [ "$wait_seconds" -gt 0 ]; then
+    waited=$SECONDS
+    while ! health=$("$ETCDCTL" endpoint health 2>&1); do
+        if ! grep -q 'is unhealthy' <<<"$health"; then
+            # etcdctl checked no endpoint (a flag or a file it cannot use): waiting won't help.
+            grep -v '"level":"warn"' <<<"$health" >&2 || true
+            die "etcdctl endpoint health failed"
+        fi
+        unanswered=$(grep 'is unhealthy' <<<"$health" | grep -v 'user name is empty' || true)
+        [ -n "$unanswered" ] || break
+        if [ $((SECONDS - waited)) -ge "$wait_seconds" ]; then
+            printf '%s\n' "$unanswered" >&2
+            die "etcd at ${ETCDCTL_ENDPOINTS:-127.0.0.1:2379} did not answer within $wait_seconds s"
+        fi
+        sleep 1
+    done
+    say "etcd answered after $((SECONDS - waited)) s"
+fi
 
 # ctl ARGS...: etcdctl as root once auth is on (anonymous before). Output: stdout only;
 # etcdctl's retry warnings go to stderr and are kept for failures.

@@ -28,7 +28,9 @@ from discovery.testing.embedded import _free_ports, find_binary
 from .deploy_checks import PREFIX, roles_let_through
 from .helpers import wait_for
 
-pytestmark = pytest.mark.docker
+# The test's own bounds add up to more than pytest's default 300 s: `up -d` alone may wait
+# for etcd 3 x 120 s (compose.yaml's etcd-roles), the router's table 240 s.
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "deploy" / "README.md"
@@ -39,6 +41,7 @@ LIST = "docker compose run --rm --no-deps router discovery list"
 ETCDCTL = "etcdctl --endpoints"
 # What the quick start brings up, from nothing, on a loaded 2-core machine.
 UP_TIMEOUT = 240
+MEMBERS = ("etcd-0", "etcd-1", "etcd-2")
 
 
 def quick_start() -> list[str]:
@@ -154,7 +157,7 @@ class Demo:
         assert self.router is not None
         return self.router.removals()
 
-    def run(self, command: str, timeout: float = 300) -> str:
+    def run(self, command: str, timeout: float = 450) -> str:
         """Run a command to its end; fail the test on a non-zero status. Its output."""
         process = self.popen(command)
         try:
@@ -162,13 +165,39 @@ class Demo:
         except subprocess.TimeoutExpired:
             process.kill()
             out, _ = process.communicate()
-            pytest.fail(f"`{command}` did not finish in {timeout} s:\n{out}")
-        assert process.returncode == 0, f"`{command}` exited {process.returncode}:\n{out}"
+            pytest.fail(f"`{command}` did not finish in {timeout} s:\n{out}\n{self.diagnosis()}")
+        if process.returncode != 0:
+            pytest.fail(f"`{command}` exited {process.returncode}:\n{out}\n{self.diagnosis()}")
         return out
+
+    def diagnosis(self) -> str:
+        """The etcd members' states and health checks and the setup's logs, for a failure."""
+        lines = []
+        for service in MEMBERS:
+            ids = self.popen(f"docker compose ps -aq {service}").communicate(timeout=60)[0]
+            for container in ids.split():
+                inspected = subprocess.run(
+                    ["docker", "inspect", container], capture_output=True, text=True, check=False
+                ).stdout
+                found = json.loads(inspected)[0] if inspected.strip() else {}
+                state = found.get("State", {})
+                health = state.get("Health") or {}
+                lines.append(
+                    f"{service}: {state.get('Status')}, started {state.get('StartedAt')}, "
+                    f"{found.get('RestartCount')} restarts, health {health.get('Status')} "
+                    f"(failing streak {health.get('FailingStreak')})"
+                )
+                for probe in health.get("Log") or []:
+                    output = probe["Output"].strip().replace("\n", " | ")
+                    lines.append(f"  {probe['Start']} exit {probe['ExitCode']}: {output}")
+        services = " ".join([*MEMBERS, "etcd-roles"])
+        logs = self.popen(f"docker compose logs --no-color --timestamps --tail 40 {services}")
+        out = logs.communicate(timeout=60)[0]
+        return "\n".join([*lines, out])
 
     def container(self, service: str) -> dict:
         """docker inspect of the service's container."""
-        ids = self.run(f"docker compose ps -q {service}").split()
+        ids = self.run(f"docker compose ps -aq {service}").split()  # -a: v2 lists running ones only
         assert len(ids) == 1, ids
         out = subprocess.run(
             ["docker", "inspect", ids[0]], capture_output=True, text=True, check=True

@@ -99,13 +99,13 @@ def etcdctl_as(cluster: EtcdCluster, user: str | None, password: str | None, *ar
     return cluster.etcdctl(*args, env=env)
 
 
-def run_roles(
+def roles_env(
     cluster: EtcdCluster,
-    *namespaces: str,
     root_password: str = ROOT_PW,
     password_dir: Path | None = None,
     extra_env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[str]:
+) -> dict[str, str]:
+    """etcd-roles.sh's environment for the cluster (its endpoints and TLS files)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETCDCTL_", "ROLES_"))}
     env.update(
         ETCDCTL_ENDPOINTS=",".join(cluster.endpoints),
@@ -119,9 +119,19 @@ def run_roles(
     if password_dir is not None:
         env["ROLES_PASSWORD_DIR"] = str(password_dir)
     env.update(extra_env or {})
+    return env
+
+
+def run_roles(
+    cluster: EtcdCluster,
+    *namespaces: str,
+    root_password: str = ROOT_PW,
+    password_dir: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(ROLES_SCRIPT), *namespaces],
-        env=env,
+        env=roles_env(cluster, root_password, password_dir, extra_env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -263,6 +273,8 @@ def test_roles_script_refuses_bad_input_without_changing_anything(etcd, tmp_path
     assert bad_root.returncode == 2 and "DISCOVERY_ROOT" in bad_root.stderr
     spaced = run_roles(etcd, "team-d", extra_env={**env, "ROLES_ROUTER_PASSWORD": "a b"})
     assert spaced.returncode == 2 and "whitespace" in spaced.stderr
+    wait = run_roles(etcd, "team-d", extra_env={**env, "ROLES_WAIT_SECONDS": "2m"})
+    assert wait.returncode == 2 and "ROLES_WAIT_SECONDS=2m" in wait.stderr
     # None of that touched etcd: auth is still off and there are no users.
     assert "Status: false" in etcd.etcdctl("auth", "status").stdout
     assert etcd.etcdctl("user", "list").stdout.split() == []
@@ -272,6 +284,55 @@ def test_roles_script_refuses_bad_input_without_changing_anything(etcd, tmp_path
     wrong = run_roles(etcd, "team-d", root_password="wrong", extra_env=env)
     assert wrong.returncode != 0 and "root's password was refused" in wrong.stderr
     assert auth_revision(etcd) == revision
+
+
+def test_roles_script_waits_for_a_cluster_still_forming(etcd3, tmp_path):
+    """ROLES_WAIT_SECONDS: with no quorum yet the script waits, then provisions."""
+    calls = tmp_path / "etcdctl-calls"
+    etcdctl = tmp_path / "etcdctl"  # records each call, so the test knows the script waited
+    etcdctl.write_text(f'#!/bin/sh\necho "$*" >>{calls}\nexec {find_binary("etcdctl")} "$@"\n')
+    etcdctl.chmod(0o755)
+    others = etcd3.members[1:]
+    for member in others:
+        member.stop()
+    env = roles_env(etcd3, extra_env={
+        "ROLES_ETCDCTL": str(etcdctl), "ROLES_WAIT_SECONDS": "120",
+        "ROLES_ENGINE_PASSWORD": "engine-pw", "ROLES_ROUTER_PASSWORD": "router-pw",
+    })  # fmt: skip
+    script = subprocess.Popen(
+        ["bash", str(ROLES_SCRIPT), "team-w"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Two health checks: the first one failed (one member of three is no quorum).
+        wait_for(lambda: calls.exists() and calls.read_text().count("endpoint health") >= 2,
+                 60, "the script checking etcd twice")  # fmt: skip
+        assert script.poll() is None
+        for member in others:
+            member.start()
+        out, err = script.communicate(timeout=120)
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.communicate()
+    assert script.returncode == 0, err
+    assert re.search(r"etcd answered after \d+ s", out), out
+    assert "auth enabled" in out
+    assert calls.read_text().splitlines()[0] == "endpoint health"  # before anything else
+
+
+def test_roles_script_gives_up_waiting_and_names_the_endpoints(etcd, tmp_path):
+    member = etcd.members[0]
+    member.stop()
+    env = {"ROLES_ENGINE_PASSWORD": "e", "ROLES_ROUTER_PASSWORD": "r", "ROLES_WAIT_SECONDS": "2"}
+    result = run_roles(etcd, "team-w", extra_env=env)
+    assert result.returncode == 2
+    assert f"{member.client_url.removeprefix('http://')} is unhealthy" in result.stderr
+    assert "did not answer within 2 s" in result.stderr
+    assert '"level":"warn"' not in result.stderr
 
 
 # -- certificates: a TLS etcd that requires client certificates --------------------------------
@@ -414,7 +475,14 @@ def test_secured_cluster_end_to_end_as_compose_runs_it(tls_etcd, tmp_path):
     secrets = write_passwords(
         tmp_path / "secrets", {"engine-default": "engine-pw", "router-default": "router-pw"}
     )
-    assert run_roles(cluster, "default", password_dir=secrets).returncode == 0
+    roles = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["etcd-roles"]["environment"]
+    wait = {"ROLES_WAIT_SECONDS": roles["ROLES_WAIT_SECONDS"]}
+    assert run_roles(cluster, "default", password_dir=secrets, extra_env=wait).returncode == 0
+    # Every `docker compose up` runs it again: with auth on, the admin certificate's health
+    # check is denied (its CN names no user), which counts as etcd answering.
+    again = run_roles(cluster, "default", password_dir=secrets, extra_env=wait)
+    assert again.returncode == 0, again.stderr
+    assert "etcd answered after" in again.stdout and "auth is on" in again.stdout
     base = {k: v for k, v in os.environ.items() if not k.startswith("DISCOVERY_")}
     base.update(
         DISCOVERY_ETCD_ENDPOINTS=",".join(cluster.endpoints),
@@ -794,6 +862,13 @@ def test_compose_file_validates_against_the_compose_spec(tmp_path):
 REGISTER = ["discovery", "register"]
 
 
+def seconds(duration: str) -> int:
+    """A Compose / etcdctl duration in whole seconds ("5s", "3m")."""
+    match = re.fullmatch(r"(\d+)([sm])", duration)
+    assert match, duration
+    return int(match[1]) * (60 if match[2] == "m" else 1)
+
+
 def test_compose_topology_is_secured_etcd_engines_and_router():
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
     services = compose["services"]
@@ -806,7 +881,21 @@ def test_compose_topology_is_secured_etcd_engines_and_router():
         assert env["ETCD_INITIAL_CLUSTER"].count("https://") == 3
     roles = services["etcd-roles"]
     assert roles["command"][0] == "etcd-roles.sh"
-    assert all(c["condition"] == "service_healthy" for c in roles["depends_on"].values())
+    # etcd-roles waits for the members itself: Compose would abort `up` on a member that is
+    # being restarted (Docker reports it unhealthy), though it comes back and joins.
+    assert roles["depends_on"] == {m: {"condition": "service_started"} for m in members}
+    wait = int(roles["environment"]["ROLES_WAIT_SECONDS"])
+    assert wait > 0
+    # A member crashing while it runs fails one etcdctl call: it is idempotent, run it again.
+    assert roles["restart"].startswith("on-failure:")
+    health = services["etcd-0"]["healthcheck"]
+    # etcdctl fails (and says why) before Docker's timeout would kill it, and a member still
+    # joining stays "starting" for as long as etcd-roles waits for it.
+    flags = dict(a.removeprefix("--").split("=") for a in health["test"] if "timeout=" in a)
+    assert seconds(flags["dial-timeout"]) + seconds(flags["command-timeout"]) < seconds(
+        health["timeout"]
+    )
+    assert seconds(health["start_period"]) >= wait
     engines = [n for n, s in services.items() if s.get("command", [])[:2] == REGISTER]
     assert engines == ["engine-a", "engine-b"]
     assert services["router"]["command"][:2] == ["discovery", "watch"]
