@@ -53,6 +53,7 @@ from discovery._records.record import EngineRecord, EngineStatus, record_schema
 from discovery._records.selector import Selector
 from discovery._records.unknown import UnknownValue
 from discovery._routing.fleet import ControlResult, FleetClient, RequestLostError
+from discovery._routing.inference_client import FleetAddress, FleetInferenceClient, parse_fleet
 from discovery._routing.policies import (
     Candidate,
     Choice,
@@ -113,7 +114,9 @@ __all__ = [
     "EventType",
     "Explanation",
     "FirstPrefixBlockPolicy",
+    "FleetAddress",
     "FleetClient",
+    "FleetInferenceClient",
     "HandoffKey",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
@@ -170,6 +173,7 @@ __all__ = [
     "handoff_problem",
     "launch",
     "list_engines",
+    "parse_fleet",
     "pause",
     "record_schema",
     "register_dynamic_engine",

@@ -65,7 +65,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from discovery._errors import ConfigurationError, DiscoveryError, NoEngineAvailableError
+from discovery._errors import (
+    ClosedError,
+    ConfigurationError,
+    DiscoveryError,
+    NoEngineAvailableError,
+)
 from discovery._etcd.port import EtcdPort
 from discovery._records.handoff import EngineRole
 from discovery._records.record import EngineRecord, EngineStatus
@@ -228,6 +233,8 @@ class FleetClient:
         self._resend = resend
         self._hold = float(hold)
         self._changes: list[asyncio.Future[None]] = []  # held picks, woken by table changes
+        self._handoffs: dict[int, EngineClient] = {}  # a prefill reply's id -> its client
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._settings = settings
         self._connection = connection
         self._engines: dict[str, _Engine] = {}
@@ -342,6 +349,8 @@ class FleetClient:
                 started = start(loop=_LoopProxy(self._loop))
             if inspect.isawaitable(started):
                 asyncio.run(_awaited(started))
+            if self._closed:  # stopped meanwhile: its loop may be gone, nobody else stops it
+                raise ClosedError("the fleet client was stopped while it opened")
         except BaseException:
             with contextlib.suppress(Exception):
                 client.stop()
@@ -455,6 +464,72 @@ class FleetClient:
         route = self._route(prompt, sampling_params, multi_modal_data, prompt_tokens)
         options = self._options(session_key, selector, priority, multi_modal_data)
         return self._stream(route, options, wait)
+
+    def add_request_with_kv_handoff(
+        self, prompt: str | Sequence[int], sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> asyncio.Future[Any]:
+        """Megatron's decode side of a hand-off, on an engine the router picks (not resent).
+
+        A decode engine when the router sees some; the KV comes from the prefill peer that
+        ``kv_meta`` names.
+        """
+        route = self._route(prompt, sampling_params, None, None)
+        return asyncio.ensure_future(self._handoff(route, kv_meta, src_block_ids))
+
+    def add_request_with_kv_handoff_streaming(
+        self, prompt: str | Sequence[int], sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> AsyncIterator[Any]:
+        """``add_request_with_kv_handoff``, streamed as ``add_request_streaming`` is."""
+        route = self._route(prompt, sampling_params, None, None)
+        return self._handoff_stream(route, kv_meta, src_block_ids)
+
+    def release_handoff(self, request_id: int) -> None:
+        """Release a hand-off's pinned blocks on the engine whose prefill reply named it.
+
+        Megatron's coordinator broadcasts RELEASE_KV to its engines; over a fleet each
+        coordinator numbers its own requests, so it goes to the one that made ``request_id``
+        only (a reply through this client; an id it never saw is logged and dropped).
+        """
+        client = self._handoffs.pop(request_id, None)
+        if client is None:
+            log.warning("release_handoff(%s): no prefill reply of this client had it", request_id)
+            return
+        client.release_handoff(request_id)
+
+    async def _decode_handle(self, route: _Route) -> PickHandle:
+        pair = await self._pick(route, _NO_OPTIONS, None, ())
+        if pair.prefill is not None:  # the decode engine only: its prefill peer is given
+            pair.prefill.release()
+        return pair.decode
+
+    async def _handoff(self, route: _Route, kv_meta: Any, block_ids: Any) -> Any:
+        handle = await self._decode_handle(route)
+        try:
+            return await self._on(
+                handle,
+                route,
+                lambda client: client.add_request_with_kv_handoff(
+                    route.prompt, route.params, kv_meta, block_ids
+                ),
+            )
+        except _Lost as lost:
+            raise RequestLostError(handle.engine_id, lost.reason, tokens=0, resent=False) from None
+
+    async def _handoff_stream(
+        self, route: _Route, kv_meta: Any, block_ids: Any
+    ) -> AsyncIterator[Any]:
+        handle = await self._decode_handle(route)
+
+        def start(client: EngineClient) -> AsyncIterator[Any]:
+            return client.add_request_with_kv_handoff_streaming(
+                route.prompt, route.params, kv_meta, block_ids
+            )
+
+        try:
+            async for item in self._items(handle, start):
+                yield item
+        except _Lost as lost:
+            raise RequestLostError(handle.engine_id, lost.reason, tokens=0, resent=False) from None
 
     @staticmethod
     def _options(
@@ -811,6 +886,59 @@ class FleetClient:
             selector, _ready_after(epoch, status=False), "set_generation_epoch", epoch=epoch
         )
 
+    async def unpause(self, selector: Mapping[str, str] | None = None) -> ControlResult:
+        """UNPAUSE the engines (Megatron's ``unpause_engines``), then their records ``ready``."""
+        return await self._control(selector, _ready_after(None), "unpause_engines")
+
+    def send(
+        self, signal: str, selector: Mapping[str, str] | None = None
+    ) -> asyncio.Future[ControlResult]:
+        """Megatron's control ``signal`` to each engine; its record is left as it is.
+
+        ``signal`` is a method of Megatron's client that takes no argument
+        (``start_cuda_profiler``, ``stop_engines``, ...). It goes at once through every
+        client open (as Megatron's client sends it), and to the others once they open;
+        the future resolves when it went everywhere it could.
+        """
+        assert self._loop is not None
+        records = self._router.engines()
+        sent: dict[str, str | None] = {}
+        later = []
+        for engine_id, record in sorted(records.items()):
+            if not record.matches(selector):
+                continue
+            engine = self._engines.get(engine_id)
+            if engine is not None and engine.client is not None:
+                sent[engine_id] = _send_now(engine.client, signal)
+            else:
+                later.append((engine_id, record))
+        result: asyncio.Future[ControlResult] = self._loop.create_future()
+
+        async def rest() -> None:
+            outcomes = await asyncio.gather(
+                *(self._control_one(e, r, _Mark(), (signal,), None) for e, r in later)
+            )
+            sent.update(zip((e for e, _ in later), outcomes, strict=True))
+            result.set_result(self._result(sent))
+
+        if later:
+            self._keep(asyncio.ensure_future(rest()))
+        else:
+            result.set_result(self._result(sent))
+        return result
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.add(task)  # kept until done: the loop holds its tasks weakly
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _result(outcomes: Mapping[str, str | None]) -> ControlResult:
+        done = tuple(e for e, problem in outcomes.items() if problem is None)
+        failed = {e: p for e, p in outcomes.items() if p is not None}
+        for engine_id, problem in failed.items():
+            log.warning("engine %s: %s", engine_id, problem)
+        return ControlResult(done, failed)
+
     async def _control(
         self,
         selector: Mapping[str, str] | None,
@@ -823,11 +951,7 @@ class FleetClient:
         outcomes = await asyncio.gather(
             *(self._control_one(e, records[e], mark, signals, epoch) for e in chosen)
         )
-        done = tuple(e for e, problem in zip(chosen, outcomes, strict=True) if problem is None)
-        failed = {e: p for e, p in zip(chosen, outcomes, strict=True) if p is not None}
-        for engine_id, problem in failed.items():
-            log.warning("engine %s: %s", engine_id, problem)
-        return ControlResult(done, failed)
+        return self._result(dict(zip(chosen, outcomes, strict=True)))
 
     async def _control_one(
         self,
@@ -858,8 +982,15 @@ class FleetClient:
         except Exception as exc:
             return f"no client to send {', '.join(signals)}: {exc}"
         for signal in signals:
-            method = getattr(client, signal)
-            method(epoch) if signal == "set_generation_epoch" else method()
+            method = getattr(client, signal, None)
+            if method is None:
+                return f"its client ({type(client).__module__}) has no {signal}"
+            sent = method(epoch) if signal == "set_generation_epoch" else method()
+            if inspect.isawaitable(sent):  # megatron-core 0.16's pause: PAUSE_ACK
+                try:
+                    await asyncio.wait_for(sent, self._connect_timeout)
+                except TimeoutError:
+                    return f"{signal} sent, not acknowledged in {self._connect_timeout} s"
         if mark.after is not None:
             problem = await self._mark(engine_id, mark.after)
             if problem is not None:
@@ -1053,8 +1184,12 @@ class _Request(asyncio.Future[Any]):
             self._fail(error)
             return
         handle.release()  # it answered, whatever the reply says of the request
+        result = reply.result()
+        if type(result) is dict and result.get("disaggregated_params"):  # a prefill reply
+            assert self._client is not None
+            self._fleet._handoffs[result["disaggregated_params"]["request_id"]] = self._client
         if not self.done():
-            self.set_result(reply.result())
+            self.set_result(result)
 
     def _heard_lost(self, handle: PickHandle) -> None:
         """The router's notice (on the table's event thread): handle it on the loop."""
@@ -1139,6 +1274,18 @@ def _submit(route: _Route, params: Any) -> Callable[[EngineClient], asyncio.Futu
         return client.add_request(route.prompt, params, multi_modal_data=route.images)
 
     return submit
+
+
+def _send_now(client: EngineClient, signal: str) -> str | None:
+    """Call ``signal`` on ``client`` now; None, or why it could not."""
+    method = getattr(client, signal, None)
+    if method is None:
+        return f"its client ({type(client).__module__}) has no {signal}"
+    try:
+        method()
+    except Exception as exc:  # a client that closed meanwhile
+        return f"{signal} failed: {exc}"
+    return None
 
 
 def _log_resend(engine_id: str, reason: str, what: str) -> None:

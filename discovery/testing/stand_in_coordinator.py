@@ -104,6 +104,9 @@ _CONTROL = (
     Headers.SET_GENERATION_EPOCH,
     Headers.STOP,
 )
+_SIGNALS = frozenset(
+    {*_CONTROL, Headers.START_CUDA_PROFILER, Headers.STOP_CUDA_PROFILER, Headers.SHUTDOWN}
+)
 
 
 class CoordinatorState(enum.Enum):
@@ -684,6 +687,7 @@ class StandInCoordinator:
         self._talking = True
         self._serving = True  # the ROUTER socket is open
         self._paused_submits = 0
+        self._signals: list[str] = []  # the control signals heard, in order
         self._thread = threading.Thread(target=self._run, name="stand-in-coordinator", daemon=True)
         self._handlers: dict[Headers, Callable[[bytes, list[Any], Headers], None]] = {
             Headers.CONNECT: self._on_connect,
@@ -720,6 +724,12 @@ class StandInCoordinator:
         """Submits that arrived while the engine was paused or suspended."""
         with self._lock:
             return self._paused_submits
+
+    @property
+    def signals(self) -> list[str]:
+        """The names of the control and profiler signals heard from clients, in order."""
+        with self._lock:
+            return list(self._signals)
 
     def pinned_handoffs(self) -> dict[int, list[int]]:
         """Hand-offs whose blocks are pinned: request id -> block ids."""
@@ -826,6 +836,8 @@ class StandInCoordinator:
             log.info("ignored %s from a client that has not connected", header.name)
             return
         with self._lock:
+            if header in _SIGNALS:
+                self._signals.append(header.name)
             try:
                 handler(identity, fields, header)
             except (_Refused, WireError) as exc:
