@@ -68,6 +68,8 @@ from discovery._routing.policies import (
 )
 from discovery._routing.router import Explanation, PickHandle, PickPair, Router, RouterHealth
 from discovery._routing.split import Split
+from discovery._serving.options import ServeOptions
+from discovery._serving.server import serve_fleet
 from discovery._settings import Settings
 from discovery._state.blockhash import block_hashes
 from discovery._state.engine_states import EngineState, EngineStates, EngineStatesHealth
@@ -153,6 +155,7 @@ __all__ = [
     "RoutingSnapshot",
     "RoutingTable",
     "Selector",
+    "ServeOptions",
     "Session",
     "SessionPolicy",
     "Settings",
@@ -179,6 +182,7 @@ __all__ = [
     "register_dynamic_engine",
     "register_engine",
     "resume",
+    "serve_fleet",
     "undrain",
     "watch_table",
 ]

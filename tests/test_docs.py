@@ -106,6 +106,9 @@ INTENDED = {
     "FleetInferenceClient",
     "FleetAddress",
     "parse_fleet",
+    # discovery serve: Megatron's OpenAI server over the fleet
+    "ServeOptions",
+    "serve_fleet",
     "Explanation",
     # routing policies: the protocol, what it sees, the built-in classes
     "Policy",

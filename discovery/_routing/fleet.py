@@ -588,6 +588,17 @@ class FleetClient:
                     raise
                 await self._table_change(deadline - now)
 
+    def statuses(self) -> dict[str, int]:
+        """How many engines the router sees, by their records' status (``ready``: 2, ...)."""
+        counts: dict[str, int] = {}
+        for record in self._router.engines().values():
+            counts[record.status.value] = counts.get(record.status.value, 0) + 1
+        return counts
+
+    def may_be_ready(self) -> bool:
+        """Whether a request would be held now (an engine paused, starting or stalled)."""
+        return self._may_be_ready(())
+
     def _may_be_ready(self, excluded: Collection[str]) -> bool:
         """Whether an engine the router sees is not ready now but may be (a refit)."""
         records = self._router.engines()
