@@ -45,10 +45,12 @@ resume.
 
 **The engines' clients** start on the event loop's thread as far as they are bound to it
 (Megatron's ``start()`` creates its receive task on the loop it is given): the blocking
-handshake runs on an executor thread, and the loop handed to the client's ``start`` passes
-what it schedules to the loop's own thread, so asyncio's debug mode holds. A ``start`` that
-is a coroutine (megatron-core 0.16's) is run to its end there too, and a client without
-``connect_timeout_seconds`` (0.16's) is started without it.
+handshake runs on a thread of its own (``discovery-fleet-connect``, one per opening), and
+the loop handed to the client's ``start`` passes what it schedules to the loop's own
+thread, so asyncio's debug mode holds. A ``start`` that is a coroutine (megatron-core
+0.16's) is run to its end there too, a client without ``connect_timeout_seconds`` (0.16's)
+is started without it, and a handshake unanswered after ``connect_timeout`` is given up on
+(0.16's CONNECT is main's CONNECT_ACK: a main engine never answers it).
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -316,7 +320,13 @@ class FleetClient:
         address = record.endpoint.coordinator_address
         engine = _Engine(address, self._loop.create_future())
         self._engines[engine_id] = engine
-        opening = self._loop.run_in_executor(None, self._connect, address)
+        opening: asyncio.Future[EngineClient] = self._loop.create_future()
+        threading.Thread(
+            target=self._connect_thread,
+            args=(address, opening),
+            name="discovery-fleet-connect",
+            daemon=True,
+        ).start()
         opening.add_done_callback(lambda done: self._opened(engine_id, engine, done))
         # A handshake without a timeout of its own (megatron-core 0.16's) is bounded here.
         late = self._loop.call_later(
@@ -324,6 +334,26 @@ class FleetClient:
         )
         engine.ready.add_done_callback(lambda _: late.cancel())
         return engine
+
+    def _connect_thread(self, address: str, opening: asyncio.Future[EngineClient]) -> None:
+        """``_connect`` on a thread of its own, its outcome handed to the loop.
+
+        Not the loop's executor: a handshake that never returns (0.16's has no timeout)
+        would hold ``asyncio.run``'s shutdown, which waits for the executor's threads.
+        """
+        assert self._loop is not None
+        client = None
+        try:
+            client = self._connect(address)
+            outcome = functools.partial(_settle, opening, client, None)
+        except BaseException as exc:  # handed over, whatever it is
+            outcome = functools.partial(_settle, opening, None, exc)
+        try:
+            self._loop.call_soon_threadsafe(outcome)
+        except RuntimeError:  # the loop is closed: nobody will use the client
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.stop()
 
     def _unanswered(self, engine_id: str, engine: _Engine, opening: asyncio.Future[Any]) -> None:
         if engine.ready.done():
@@ -1333,7 +1363,7 @@ def _handoff_params(params: Any) -> Any:
 
 
 class _LoopProxy:
-    """The event loop as an engine's client sees it while it starts on an executor thread.
+    """The event loop as an engine's client sees it while it starts on a thread of its own.
 
     What the client schedules with ``create_task`` (Megatron's receive task) is created on
     the loop's own thread; everything else is the loop's.
@@ -1366,6 +1396,15 @@ def _parameters(method: Callable[..., Any]) -> frozenset[str]:
     if names is None:
         names = _PARAMETERS[function] = frozenset(inspect.signature(method).parameters)
     return names
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 async def _awaited(awaitable: Any) -> Any:

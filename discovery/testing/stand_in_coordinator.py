@@ -52,10 +52,17 @@ unknown header, a hand-off it refuses), the stand-in logs the reason and drops t
 
 Text prompts and requests without images are prefix-cached at the engine: ``on_prompt``
 gets their tokens when they are scheduled (the stand-in sends the KV events).
+
+``wire="0.16.1"`` speaks the released megatron-core 0.16.1's wire instead
+(``stand_in_wire.RELEASED_HEADERS``): its header values, its three-field submit, its reply
+(``released_record``), PAUSE and STOP acknowledged to every client (``[PAUSE_ACK,
+engine identity]``, ``[STOP_ACK, ...]``, as its coordinator sends them once its engines
+acknowledged), and none of main's other messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -71,6 +78,7 @@ from typing import Any
 from discovery._state.blockhash import block_hashes
 from discovery._state.relay import bind_socket
 from discovery.testing.stand_in_wire import (
+    RELEASED_HEADERS,
     Headers,
     SamplingParams,
     Submit,
@@ -78,6 +86,7 @@ from discovery.testing.stand_in_wire import (
     WireError,
     pack,
     read,
+    released_record,
 )
 
 __all__ = [
@@ -627,6 +636,14 @@ def _int(fields: list[Any], what: str) -> int:
         raise WireError(f"{what}'s request id is not an integer: {fields[0]!r:.60}") from exc
 
 
+RELEASE = "0.16.1"
+"""The released megatron-core whose wire ``wire=RELEASE`` speaks."""
+_FROM_RELEASED = {value: name for name, value in RELEASED_HEADERS.items()}
+_RELEASED_TAKES = frozenset(
+    {"CONNECT", "SUBMIT_REQUEST", "PAUSE", "UNPAUSE", "SUSPEND", "RESUME", "STOP"}
+)
+
+
 class StandInCoordinator:
     """Megatron's coordinator with one stand-in engine, on a ROUTER socket and a thread.
 
@@ -648,8 +665,13 @@ class StandInCoordinator:
         block_size: int = 256,
         prefix_caching: bool = True,
         on_stop: Callable[[], None] | None = None,
+        wire: str = "main",
     ) -> None:
         import zmq  # noqa: PLC0415 - the launch extra
+
+        if wire not in ("main", RELEASE):
+            raise ValueError(f"wire must be 'main' or {RELEASE!r}, got {wire!r}")
+        self.wire = wire
 
         if token_delay < 0 or context_length <= 0 or block_size <= 0:
             raise ValueError("token_delay must be >= 0, context_length and block_size > 0")
@@ -824,7 +846,7 @@ class StandInCoordinator:
         if frame == b"":
             log.info("ignored a data-parallel rank's registration: the stand-in has its engine")
             return
-        message = read(frame, log)
+        message = read(frame, log) if self.wire == "main" else self._read_released(frame)
         if message is None:
             return
         header, fields = message
@@ -846,8 +868,35 @@ class StandInCoordinator:
                 log.exception("dropped %s: it raised", header.name)
             self._flush()
 
+    def _read_released(self, frame: bytes) -> tuple[Headers, list[Any]] | None:
+        """A 0.16.1 frame as main's header and fields (None, logged: what it does not take)."""
+        import msgpack  # noqa: PLC0415
+
+        try:
+            message = msgpack.unpackb(frame, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            log.warning("dropped a message: not msgpack (%s)", exc)
+            return None
+        name = _FROM_RELEASED.get(message[0]) if isinstance(message, list) and message else None
+        if name not in _RELEASED_TAKES:
+            log.warning("dropped a message megatron-core %s's coordinator does not take", RELEASE)
+            return None
+        if name == "SUBMIT_REQUEST" and len(message) != 4:  # it unpacks exactly three
+            log.warning("dropped a %d-field SUBMIT_REQUEST: %s takes 3", len(message) - 1, RELEASE)
+            return None
+        return Headers[name], message[1:]
+
     def _send(self, identity: bytes, message: list[Any]) -> None:
         import zmq  # noqa: PLC0415
+
+        if self.wire != "main":
+            header = Headers(message[0]).name
+            if header == "ENGINE_REPLY":
+                message = [RELEASED_HEADERS[header], message[1], released_record(message[2])]
+            elif header in RELEASED_HEADERS:
+                message = [RELEASED_HEADERS[header], *message[1:]]
+            else:
+                return  # no such message in 0.16.1 (a partial: it has no streaming)
 
         try:
             self._router.send_multipart([identity, pack(message)])
@@ -934,6 +983,8 @@ class StandInCoordinator:
             self._state = after
         if self._engine is not None:
             self._engine.signal(header, fields)
+        if self.wire != "main" and header in (Headers.PAUSE, Headers.STOP):
+            self._acknowledge(f"{header.name}_ACK")
         if header is Headers.STOP:
             self._state = CoordinatorState.RUNNING  # ready for engines to come
             if self._engine is not None:
@@ -941,6 +992,15 @@ class StandInCoordinator:
                 log.info("STOP: the engine stopped")
                 if self._on_stop is not None:
                     self._on_stop()
+
+    def _acknowledge(self, name: str) -> None:
+        """0.16.1's PAUSE_ACK / STOP_ACK to every client (its one engine acknowledged)."""
+        import zmq  # noqa: PLC0415
+
+        frame = pack([RELEASED_HEADERS[name], b"stand-in-engine"])
+        for client in self._clients:
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.send_multipart([client, frame])
 
     def _on_shutdown(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         log.info("SHUTDOWN: the coordinator ends; the engine stays")
