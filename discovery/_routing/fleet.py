@@ -1344,9 +1344,17 @@ def _abort(client: EngineClient, request_id: int, future: asyncio.Future[Any] | 
 
 
 def _get(params: Any, name: str) -> Any:
-    if type(params) is dict or isinstance(params, Mapping):  # the first: cheap, per request
+    # Per request: a dict or Megatron's SamplingParams first, the Mapping ABC check (slow
+    # for any other class) last.
+    if type(params) is dict:
         return params.get(name)
-    return getattr(params, name, None)
+    value = getattr(params, name, _ABSENT)
+    if value is not _ABSENT:
+        return value
+    return params.get(name) if isinstance(params, Mapping) else None
+
+
+_ABSENT = object()
 
 
 def _handoff_params(params: Any) -> Any:

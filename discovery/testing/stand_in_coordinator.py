@@ -35,13 +35,15 @@ token ``i`` (from 0) of a prompt is ``32 + (sum(prompt tokens) + 31 * seed + ima
 % 95`` (printable ASCII, so ``generated_text`` reads), ``images`` being the CRC-32 of the
 request's ``multi_modal_data["image"]`` packed with msgpack (0 without images;
 ``generated_tokens()`` gives them, for a test to tell engines apart by seed). Each engine
-step takes ``token_delay`` seconds and gives every running request one token; a request ends
+step takes ``token_delay`` seconds and gives every running request one token (the first
+``max_running`` by arrival, when given: the others wait, as beyond Megatron's
+``max_requests``); a request ends
 at ``num_tokens_to_generate`` (by default the context length minus the prompt, Megatron's
 rule) or on its ``termination_id``. With ``return_log_probs`` each token's log probability
 is ``-(token % 10 + 1) / 10``. A prompt longer than the context length fails as Megatron's
 does (status ``FAILED``, a ``MaxSequenceLengthOverflowError`` event), as do the submissions
 Megatron refuses before admission. Not modelled: stop words, top-n log probabilities (always
-``None``), image token expansion, batch limits.
+``None``), image token expansion, token-budget batch limits.
 
 A prefill request (``do_kv_handoff``) ends with ``disaggregated_params = {"request_id",
 "block_ids", "kv_meta": {"engine": coordinator address, "resume_tokens": [last token]}}``
@@ -336,8 +338,10 @@ class _Engine:
         block_size: int,
         prefix_caching: bool,
         transfer_meta: dict[str, Any],
+        max_running: int | None = None,
     ) -> None:
         self.state = MegatronEngineState.RUNNING
+        self._max_running = max_running
         self.epoch: Any = None
         self.requests: dict[int, _Request] = {}
         self.pinned: dict[int, list[int]] = {}
@@ -506,7 +510,8 @@ class _Engine:
         """One engine step: schedule what waits, one token for each request, replies."""
         self._step_started = None
         finished = []
-        for request in list(self.requests.values()):
+        # The first max_running requests (Megatron's max_requests: the others wait).
+        for request in itertools.islice(list(self.requests.values()), self._max_running):
             if not request.scheduled:
                 self._schedule(request)
             if self._advance(request):
@@ -666,6 +671,7 @@ class StandInCoordinator:
         prefix_caching: bool = True,
         on_stop: Callable[[], None] | None = None,
         wire: str = "main",
+        max_running: int | None = None,
     ) -> None:
         import zmq  # noqa: PLC0415 - the launch extra
 
@@ -675,6 +681,8 @@ class StandInCoordinator:
 
         if token_delay < 0 or context_length <= 0 or block_size <= 0:
             raise ValueError("token_delay must be >= 0, context_length and block_size > 0")
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be 1 or more, got {max_running}")
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # as Megatron's: a gone client raises
@@ -700,6 +708,7 @@ class StandInCoordinator:
             block_size=block_size,
             prefix_caching=prefix_caching,
             transfer_meta={"engine": self.address},
+            max_running=max_running,
         )
         self._on_stop = on_stop
         self._clients: set[bytes] = set()
