@@ -320,3 +320,24 @@ def test_a_refit_under_load_through_the_server_fails_no_request(settings: Settin
         statuses = asyncio.run(body())
     assert statuses and set(statuses) == {200}, sorted(set(statuses))
     assert all(c.paused_submits == 0 for c in engines.engines.values())
+
+
+@megatron
+def test_replicas_stop_when_discovery_serve_is_killed(settings: Settings) -> None:
+    """SIGKILL leaves the parent no chance to pass SIGTERM on: the replicas see it gone."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from .helpers import gone  # noqa: PLC0415
+
+    server = Server(settings, "--replicas", "2")
+    try:
+        wait_for(lambda: _answers(server), 60, "the server to answer")
+        pid = server.process.pid
+        replicas = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        assert len(replicas) == 2
+        server.process.kill()
+        server.process.wait(10)
+        for replica in replicas:
+            wait_for(lambda r=replica: gone(r), 30, f"replica {replica} to stop")
+    finally:
+        server.stop()

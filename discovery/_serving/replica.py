@@ -1,6 +1,6 @@
 """One replica of ``discovery serve``: Megatron's own endpoints over a ``FleetInferenceClient``.
 
-``python -m discovery._serving.replica OPTIONS FD`` (``serve_fleet`` starts each): what
+``python -m discovery._serving.replica OPTIONS FD PARENT`` (``serve_fleet`` starts each): what
 Megatron's ``_run_text_gen_server`` (main d98e8a64, ``text_generation_server.py``) does in
 each of its replica processes, its client being the fleet's: a Quart app with Megatron's
 blueprints (``completions``, ``chat_completions``, ``health``, ``profile``) and
@@ -15,7 +15,8 @@ Megatron's ``status`` / ``ready`` keys; and a generation request (completions, c
 completions) finding no engine ready, and none that may be soon (paused, starting, stalled:
 those hold it), is answered 503 with ``Retry-After`` and an OpenAI-shaped error, where
 Megatron's endpoint would answer 500. SIGTERM stops taking connections; requests in flight
-finish within ``grace`` seconds (hypercorn's graceful shutdown), then the client stops.
+finish within ``grace`` seconds (hypercorn's graceful shutdown), then the client stops; a
+replica whose parent is gone (SIGKILLed) stops likewise within a second.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -45,16 +47,16 @@ HEALTH = frozenset({"/health", "/v1/health"})
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT; 0 once stopped."""
     args = sys.argv[1:] if argv is None else list(argv)
-    options, fd = ServeOptions.from_json(args[0]), int(args[1])
+    options, fd, parent = ServeOptions.from_json(args[0]), int(args[1]), int(args[2])
     logging.basicConfig(
         level=logging.INFO if options.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(_serve(options, fd))
+    asyncio.run(_serve(options, fd, parent))
     return 0
 
 
-async def _serve(options: ServeOptions, fd: int) -> None:
+async def _serve(options: ServeOptions, fd: int, parent: int) -> None:
     from hypercorn.asyncio import serve  # noqa: PLC0415 - the serve extra
     from hypercorn.config import Config  # noqa: PLC0415
     from megatron.core.tokenizers import MegatronTokenizer  # noqa: PLC0415 - the user's
@@ -88,9 +90,21 @@ async def _serve(options: ServeOptions, fd: int) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(app, config, shutdown_trigger=stop.wait)
+        orphaned = asyncio.ensure_future(_parent_gone(stop, parent))
+        try:
+            await serve(app, config, shutdown_trigger=stop.wait)
+        finally:
+            orphaned.cancel()
     finally:
         client.stop()
+
+
+async def _parent_gone(stop: asyncio.Event, parent: int) -> None:
+    """Stop as SIGTERM does once ``parent`` is gone (SIGKILLed: it could not pass it on)."""
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.warning("discovery serve's parent process is gone: stopping")
+    stop.set()
 
 
 def _gate(client: FleetInferenceClient, retry_after: int) -> Any:

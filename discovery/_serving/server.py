@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -97,7 +98,10 @@ def _listening(host: str, port: int) -> Iterator[socket.socket]:
 def _replica(options: ServeOptions, listener: socket.socket) -> subprocess.Popen[bytes]:
     fd = listener.fileno()
     return subprocess.Popen(
-        [sys.executable, "-m", "discovery._serving.replica", options.to_json(), str(fd)],
+        [
+            *(sys.executable, "-m", "discovery._serving.replica"),
+            *(options.to_json(), str(fd), str(os.getpid())),
+        ],
         pass_fds=[fd],
     )
 
