@@ -203,6 +203,13 @@ async def written_for_megatron(client_class: Any, address: str, params_module: A
         client.abort_request(client.next_request_id - 1)  # the id, as Megatron's callers learn it
         with pytest.raises(asyncio.CancelledError):
             await long
+        stream = client.add_request_streaming(PROMPT, params(num_tokens_to_generate=8000))
+        streamed = client.next_request_id - 1
+        aborted = []
+        async for item in stream:
+            aborted.append(item)
+            client.abort_request(streamed)  # ends the stream: no final item
+        assert aborted and all("partial" in i for i in aborted), aborted
         client.start_cuda_profiler()
         client.stop_cuda_profiler()
         await asyncio.sleep(0)

@@ -28,6 +28,7 @@ that a caller of Megatron's synchronous signals may ignore (failures are logged)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -212,7 +213,7 @@ class FleetInferenceClient:
         self._table: RoutingTable | None = None
         self._fleet: FleetClient | None = None
         self._requests: dict[int, asyncio.Future[Any]] = {}
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[int, asyncio.Future[None]] = {}  # a stream's abort
         self._tasks: set[asyncio.Future[Any]] = set()  # kept until done: the loop holds
         # its tasks weakly, and a caller of Megatron's signals keeps nothing
 
@@ -335,9 +336,27 @@ class FleetInferenceClient:
         return self._tracked(self._next_id(), stream)
 
     async def _tracked(self, request_id: int, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        self._streams[request_id] = stream
+        """``stream``'s items until it ends, or ``abort_request`` ends it.
+
+        As Megatron's ``finish()`` ends its stream: no final item; the request is aborted
+        on its engine (the fleet's stream, cancelled, aborts it).
+        """
+        aborted = asyncio.get_running_loop().create_future()
+        self._streams[request_id] = aborted
+        items = stream.__aiter__()
         try:
-            async for item in stream:
+            while True:
+                following = asyncio.ensure_future(items.__anext__())
+                await asyncio.wait([following, aborted], return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():  # aborted: the fleet's stream aborts on its engine
+                    following.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await following
+                    return
+                try:
+                    item = following.result()
+                except StopAsyncIteration:
+                    return
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -352,9 +371,9 @@ class FleetInferenceClient:
         if future is not None:
             future.cancel()
             return
-        stream = self._streams.pop(int(request_id), None)
-        if stream is not None:
-            self._keep(asyncio.ensure_future(stream.aclose()))
+        aborted = self._streams.pop(int(request_id), None)
+        if aborted is not None and not aborted.done():
+            aborted.set_result(None)
 
     # -- control signals, to every engine -------------------------------------------------
 
