@@ -330,6 +330,7 @@ def test_replicas_stop_when_discovery_serve_is_killed(settings: Settings) -> Non
     from .helpers import gone  # noqa: PLC0415
 
     server = Server(settings, "--replicas", "2")
+    replicas: list[int] = []
     try:
         wait_for(lambda: _answers(server), 60, "the server to answer")
         pid = server.process.pid
@@ -341,3 +342,6 @@ def test_replicas_stop_when_discovery_serve_is_killed(settings: Settings) -> Non
             wait_for(lambda r=replica: gone(r), 30, f"replica {replica} to stop")
     finally:
         server.stop()
+        for replica in replicas:  # by pid, should the test have failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(replica, signal.SIGKILL)
