@@ -434,3 +434,42 @@ def text_seed(prompt: str, text: str) -> int:
         if "".join(map(chr, generated_tokens(tokens, len(text), seed=seed))) == text:
             return seed
     raise AssertionError(f"no stand-in engine writes {text!r} after {prompt!r}")
+
+
+def test_megatrons_client_stopped_as_its_engine_leaves_reads_no_closed_socket(
+    settings: Settings, megatron: Any
+) -> None:
+    """Megatron's ``stop()`` cancels its receive task, then closes the socket: a cancel still
+    on its way let the task read the closed socket once more (ZMQError; Megatron's
+    ``trace_async_exceptions`` then exits the process: a ``discovery serve`` replica died)."""
+    from discovery import InferenceEngineEndpoint, register_engine  # noqa: PLC0415
+    from discovery.testing.stand_in_coordinator import StandInCoordinator  # noqa: PLC0415
+
+    from .helpers import make_endpoint  # noqa: PLC0415
+
+    _, params_module = modules(megatron)
+    with fleet_of(settings, 1) as (_, router):
+
+        async def body() -> int:
+            stopped = 0
+            async with FleetClient(router) as fleet:
+                params = params_module.SamplingParams(num_tokens_to_generate=1)
+                for i in range(12):
+                    engine = StandInCoordinator(seed=1).start()
+                    endpoint = InferenceEngineEndpoint(
+                        engine.address, make_endpoint(1).capabilities
+                    )
+                    registration = await asyncio.to_thread(
+                        register_engine, endpoint, engine_id=f"x{i}", settings=settings, ttl=10
+                    )
+                    await until(lambda i=i: f"x{i}" in fleet.clients, what="its client")
+                    await fleet.add_request(PROMPT, params)
+                    await asyncio.to_thread(registration.close)  # its client is stopped
+                    await until(lambda i=i: f"x{i}" not in fleet.clients, what="stopped")
+                    for _ in range(5):  # the receive task's next turns
+                        await asyncio.sleep(0.006)
+                    engine.close()
+                    stopped += 1
+            return stopped
+
+        assert run(body()) == 12

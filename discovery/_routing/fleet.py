@@ -1374,7 +1374,7 @@ class _LoopProxy:
     """The event loop as an engine's client sees it while it starts on a thread of its own.
 
     What the client schedules with ``create_task`` (Megatron's receive task) is created on
-    the loop's own thread; everything else is the loop's.
+    the loop's own thread (``_LoopTask``); everything else is the loop's.
     """
 
     __slots__ = ("_loop",)
@@ -1384,14 +1384,57 @@ class _LoopProxy:
 
     def create_task(self, coro: Any, **options: Any) -> Any:
         """The task on the loop: at once on its thread, else through ``call_soon_threadsafe``."""
-        loop = self._loop
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                return loop.create_task(coro, **options)
-        return asyncio.run_coroutine_threadsafe(coro, loop)
+        if _on_thread_of(self._loop):
+            return self._loop.create_task(coro, **options)
+        return _LoopTask(self._loop, coro, options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loop, name)
+
+
+class _LoopTask:
+    """A task created on ``loop``'s thread for a caller on another, as a task to its owner.
+
+    ``cancel()`` on the loop's thread cancels the task then and there: Megatron's ``stop()``
+    cancels its receive task and closes the socket next, and a cancellation still on its way
+    (``run_coroutine_threadsafe``'s) let the task read the closed socket once more
+    (ZMQError, and Megatron's ``trace_async_exceptions`` exits the process).
+    """
+
+    __slots__ = ("_cancelled", "_coro", "_loop", "_task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Any, options: Any) -> None:
+        self._loop = loop
+        self._coro = coro
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        loop.call_soon_threadsafe(self._create, options)
+
+    def _create(self, options: Any) -> None:
+        if self._cancelled:
+            self._coro.close()  # never started: nothing to cancel
+            return
+        self._task = self._loop.create_task(self._coro, **options)
+
+    def cancel(self) -> bool:
+        """Cancel the task (at once on the loop's thread)."""
+        if not _on_thread_of(self._loop):
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing runs
+                self._loop.call_soon_threadsafe(self.cancel)
+            return True
+        self._cancelled = True
+        return self._task.cancel() if self._task is not None else True
+
+    def done(self) -> bool:
+        """Whether the task is done (or was cancelled before it started)."""
+        return self._task.done() if self._task is not None else self._cancelled
+
+
+def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 _PARAMETERS: dict[Any, frozenset[str]] = {}
