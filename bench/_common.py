@@ -140,17 +140,22 @@ class Target:
     value: float
     limit: float
     unit: str
+    at_least: bool = False  # the value must reach the limit (a throughput), not stay under
 
     @property
     def ok(self) -> bool:
-        return self.value <= self.limit
+        return self.value >= self.limit if self.at_least else self.value <= self.limit
 
     @property
     def verdict(self) -> str:
         return "met" if self.ok else "MISSED"
 
     def line(self) -> str:
-        return f"target {self.name}: {self.value:.3g} {self.unit} <= {self.limit:g}: {self.verdict}"
+        return f"target {self.name}: {self.value:.3g} {self.unit} {self.bound}: {self.verdict}"
+
+    @property
+    def bound(self) -> str:
+        return f"{'>=' if self.at_least else '<='} {self.limit:g}"
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -257,7 +262,7 @@ def render_page() -> None:
             cells = (
                 f"[{name}](results/{name}.md)" if i == 0 else "",
                 t.name,
-                f"<= {t.limit:g} {t.unit}".strip(),
+                f"{t.bound} {t.unit}".strip(),
                 f"{t.value:.3g} {t.unit}".strip(),
                 t.verdict if t.ok else f"**{t.verdict}**",
             )

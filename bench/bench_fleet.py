@@ -112,7 +112,9 @@ def host_main(args: argparse.Namespace) -> int:
     try:
         for i in range(args.engines):
             engine_id = f"{args.prefix}{i:02d}"
-            coordinator = StandInCoordinator(seed=i % 16, token_delay=args.token_delay).start()
+            coordinator = StandInCoordinator(
+                seed=i % 16, token_delay=args.token_delay, max_running=args.max_running
+            ).start()
             coordinators[engine_id] = coordinator
             endpoint = InferenceEngineEndpoint(coordinator.address, CAPS)
             registrations.append(
@@ -137,13 +139,21 @@ class Hosts:
     """Engine-host processes (``host_main``), stopped by pid at the end."""
 
     def __init__(
-        self, settings: Settings, prefix: str, engines: int, processes: int, token_delay: float
+        self,
+        settings: Settings,
+        prefix: str,
+        engines: int,
+        processes: int,
+        token_delay: float,
+        max_running: int | None = None,
     ) -> None:
         self.processes: list[subprocess.Popen[str]] = []
         share = engines // processes
         for p in range(processes):
             command = [sys.executable, __file__, "--host", "--engines", str(share)]
             command += ["--prefix", f"{prefix}{p}-", "--token-delay", f"{token_delay:g}"]
+            if max_running is not None:
+                command += ["--max-running", str(max_running)]
             self.processes.append(
                 subprocess.Popen(
                     command,
@@ -522,6 +532,7 @@ def main() -> int:
     parser.add_argument("--engines", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default="e", help=argparse.SUPPRESS)
     parser.add_argument("--token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--max-running", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.host:
         return host_main(args)

@@ -53,6 +53,8 @@ BENCHMARKS = {
     "overload": ([], ["--seconds", "15"]),
     "failures": ([], ["--runs", "1", "--only", "launch-death,register-death,drain"]),
     "fleet": ([], []),
+    "megatron": ([], ["--rounds", "1"]),
+    "serve": ([], ["--rounds", "1", "--requests", "200"]),
 }
 
 
@@ -172,7 +174,7 @@ def summary(names: list[str]) -> str:
                 (
                     target.name,
                     f"{target.value:.3g} {target.unit}",
-                    f"<= {target.limit:g}",
+                    target.bound,
                     target.verdict,
                 )
             )

@@ -53,6 +53,7 @@ from discovery._records.record import EngineRecord, EngineStatus, record_schema
 from discovery._records.selector import Selector
 from discovery._records.unknown import UnknownValue
 from discovery._routing.fleet import ControlResult, FleetClient, RequestLostError
+from discovery._routing.inference_client import FleetAddress, FleetInferenceClient, parse_fleet
 from discovery._routing.policies import (
     Candidate,
     Choice,
@@ -67,6 +68,8 @@ from discovery._routing.policies import (
 )
 from discovery._routing.router import Explanation, PickHandle, PickPair, Router, RouterHealth
 from discovery._routing.split import Split
+from discovery._serving.options import ServeOptions
+from discovery._serving.server import serve_fleet
 from discovery._settings import Settings
 from discovery._state.blockhash import block_hashes
 from discovery._state.engine_states import EngineState, EngineStates, EngineStatesHealth
@@ -113,7 +116,9 @@ __all__ = [
     "EventType",
     "Explanation",
     "FirstPrefixBlockPolicy",
+    "FleetAddress",
     "FleetClient",
+    "FleetInferenceClient",
     "HandoffKey",
     "InferenceEngineCapabilities",
     "InferenceEngineEndpoint",
@@ -150,6 +155,7 @@ __all__ = [
     "RoutingSnapshot",
     "RoutingTable",
     "Selector",
+    "ServeOptions",
     "Session",
     "SessionPolicy",
     "Settings",
@@ -170,11 +176,13 @@ __all__ = [
     "handoff_problem",
     "launch",
     "list_engines",
+    "parse_fleet",
     "pause",
     "record_schema",
     "register_dynamic_engine",
     "register_engine",
     "resume",
+    "serve_fleet",
     "undrain",
     "watch_table",
 ]

@@ -15,8 +15,11 @@
   a test twice, on the memory port and on the shared etcd (``private_store``: on a
   private member the test may stop); see ``Store``.
 
-Tests marked ``docker`` need a Docker engine and the images: without them they are
-skipped with the reason. Tests marked ``prometheus`` need Debian's ``prometheus`` package
+Tests marked ``megatron`` need Megatron-LM's real files, ``megatron_release`` the released
+megatron-core (``tests/megatron_files.py``): without them they are skipped with the reason,
+and under CI=true a skipped one fails the run. Tests marked ``docker`` need a Docker
+engine and the images: without them they are skipped with the reason. Tests marked
+``prometheus`` need Debian's ``prometheus`` package
 (``prometheus`` and ``promtool``; .ci/prometheus.sh installs it in CI): without it they
 are skipped with the reason. Under CI=true a skipped test of either kind fails the run
 (the counting tests of tests/test_fixtures.py run last). Every local member is checked to
@@ -51,6 +54,7 @@ from discovery.testing.embedded_netns import PartitionableCluster, leftovers, un
 from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .containers import DOCKER_OUTCOMES, ContainerEtcd, docker_problem
+from .megatron_files import MEGATRON_OUTCOMES, main_problem, release_problem
 from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem
 
 # The fixtures of this module that start etcd: a test using one is marked external.
@@ -69,7 +73,12 @@ def pytest_collection_modifyitems(
         if marked or PROCESS_FIXTURES.intersection(uses):
             item.add_marker(pytest.mark.external)
     yield
-    for marker, problem_of in (("docker", docker_problem), ("prometheus", prometheus_problem)):
+    for marker, problem_of in (
+        ("docker", docker_problem),
+        ("prometheus", prometheus_problem),
+        ("megatron", main_problem),
+        ("megatron_release", release_problem),
+    ):
         marked = [item for item in items if item.get_closest_marker(marker)]
         problem = problem_of() if marked else None
         if problem:
@@ -81,6 +90,7 @@ def pytest_collection_modifyitems(
         for item in items
         if item.get_closest_marker("counts_docker_tests")
         or item.get_closest_marker("counts_prometheus_tests")
+        or item.get_closest_marker("counts_megatron_tests")
     ]
     for item in counters:
         items.remove(item)
@@ -115,6 +125,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             DOCKER_OUTCOMES[report.nodeid] = report.outcome
         if "prometheus" in report.keywords:
             PROMETHEUS_OUTCOMES[report.nodeid] = report.outcome
+        if "megatron" in report.keywords or "megatron_release" in report.keywords:
+            MEGATRON_OUTCOMES[report.nodeid] = report.outcome
 
 
 @contextlib.contextmanager

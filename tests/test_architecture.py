@@ -185,6 +185,10 @@ ROOMS = {
         *("discovery._records", "discovery._etcd", "discovery._writes", "discovery._reads"),
         "discovery._state",
     },
+    "discovery._serving": {
+        *FOUNDATIONS,
+        *("discovery._records", "discovery._etcd", "discovery._reads", "discovery._routing"),
+    },
     "discovery._engine": {
         *FOUNDATIONS,
         *("discovery._records", "discovery._etcd", "discovery._writes", "discovery._state"),

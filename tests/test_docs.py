@@ -102,6 +102,13 @@ INTENDED = {
     "FleetClient",
     "ControlResult",
     "RequestLostError",
+    # Megatron's InferenceClient over the fleet, from one string naming it
+    "FleetInferenceClient",
+    "FleetAddress",
+    "parse_fleet",
+    # discovery serve: Megatron's OpenAI server over the fleet
+    "ServeOptions",
+    "serve_fleet",
     "Explanation",
     # routing policies: the protocol, what it sees, the built-in classes
     "Policy",

@@ -19,6 +19,7 @@ from discovery.testing.embedded_netns import leftovers, sweep_stale
 
 from .containers import DOCKER_OUTCOMES, docker_problem
 from .helpers import wait_for
+from .megatron_files import MEGATRON_OUTCOMES, main_problem, release_problem
 from .prometheus import PROMETHEUS_OUTCOMES, prometheus_problem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,3 +236,22 @@ def test_every_prometheus_test_ran_in_ci(request: pytest.FixtureRequest) -> None
         assert len(ran) == len(collected), sorted(set(collected) - set(ran))
     elif skipped:
         pytest.skip(f"{len(skipped)} Prometheus tests skipped: {prometheus_problem()}")
+
+
+@pytest.mark.counts_megatron_tests
+def test_every_megatron_test_ran_in_ci(request: pytest.FixtureRequest) -> None:
+    """Runs last (conftest). Under CI=true, a skipped Megatron test (main's files or the
+    released wheel absent) fails CI."""
+    marks = ("megatron", "megatron_release")
+    items = request.session.items
+    collected = [i.nodeid for i in items if any(i.get_closest_marker(m) for m in marks)]
+    skipped = sorted(n for n in collected if MEGATRON_OUTCOMES.get(n) == "skipped")
+    ran = [n for n in collected if MEGATRON_OUTCOMES.get(n) in ("passed", "failed")]
+    print(f"Megatron tests: {len(collected)} collected, {len(ran)} ran, {len(skipped)} skipped")
+    problems = "; ".join(p for p in (main_problem(), release_problem()) if p)
+    if os.environ.get("CI") == "true":
+        assert collected, "CI collected no Megatron test"
+        assert not skipped, f"CI skipped {len(skipped)} Megatron tests: {problems}"
+        assert len(ran) == len(collected), sorted(set(collected) - set(ran))
+    elif skipped:
+        pytest.skip(f"{len(skipped)} Megatron tests skipped: {problems}")

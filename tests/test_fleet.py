@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -235,7 +236,7 @@ def test_a_request_whose_engine_dies_before_answering_is_sent_again(settings: Se
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_request_whose_engine_client_is_stopped_first_is_sent_again(
-    settings: Settings, streamed: bool
+    settings: Settings, streamed: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The engine's client can stop before, or without, the router telling the handle.
 
@@ -283,9 +284,15 @@ def test_a_request_whose_engine_client_is_stopped_first_is_sent_again(
                     )
                     return await request, busy[0]
 
-            reply, victim = run(body())
+            with caplog.at_level(logging.WARNING, logger="discovery._routing.fleet"):
+                reply, victim = run(body())
             assert seed_of(reply) in ({0, 1} - {int(victim[1])})  # the other engine answered
             assert reply["status"] == "COMPLETED" and len(reply["generated_tokens"]) == 50
+            what = "stream" if streamed else "request"  # a resent stream is logged as one is
+            resent = [r.getMessage() for r in caplog.records if "again" in r.getMessage()]
+            assert len(resent) == 1, resent
+            assert resent[0].startswith(f"engine {victim} lost before it answered"), resent
+            assert resent[0].endswith(f"sending the {what} again"), resent
     finally:
         engines.close()
 

@@ -11,15 +11,20 @@ engine's reply, as Megatron's does; ``add_request_streaming`` an async iterator 
 ``{"partial": ...}`` items then one ``{"final": ...}``. Each request is routed by the router
 (the prompt's tokens for affinity, ``session_key``, images go by load; a pick that must wait
 for room, admission's, waits as ``apick`` does) and sent through the chosen engine's client;
-``add_request`` runs on callbacks of the engine's reply (no task per request). Its handle is
+``add_request`` runs on callbacks of the engine's reply (no task per request). When the
+router sees engines but none ready because they are paused, suspended, starting or stalled
+(a refit), a request is held until one is ready again, for ``wait`` seconds (``hold`` when
+it gives none), as Megatron's own client holds a request sent to a paused engine. Its handle is
 released when the reply comes (a reply, whatever its status, is an engine that answered),
 and released as failed when the engine is lost first (``PickHandle.wait_lost``: removed,
 stalled, stopping, fenced, unconfirmed and dead; or its client stopped because its record
 left or moved, which may come first). A request whose engine is lost before
 anything came back is aborted there and sent once more to another engine (excluding the
 lost one); a stream that already gave tokens fails with ``RequestLostError`` saying how
-many (``resend=False``: every loss fails). Cancelling the future, or closing the stream,
-aborts the request on its engine.
+many (``resend=False``: every loss fails); each resend is logged. Cancelling the future,
+or closing the stream before its final item, aborts the request on its engine; a stream's
+handle is released as its final item is handed out (a caller that stops reading then aborts
+nothing).
 
 **Disaggregated requests.** When the router sees decode engines, a request is a pair
 (``Router.pick_pair``): the prompt to the prefill engine with ``do_kv_handoff`` and one
@@ -37,6 +42,15 @@ engine unpaused, then its record says ``ready`` on the new version, in one write
 Megatron acknowledges no signal on the wire; each call reports, engine by engine, what it
 could not do (``ControlResult``), and never leaves a record ready on an engine it did not
 resume.
+
+**The engines' clients** start on the event loop's thread as far as they are bound to it
+(Megatron's ``start()`` creates its receive task on the loop it is given): the blocking
+handshake runs on a thread of its own (``discovery-fleet-connect``, one per opening), and
+the loop handed to the client's ``start`` passes what it schedules to the loop's own
+thread, so asyncio's debug mode holds. A ``start`` that is a coroutine (megatron-core
+0.16's) is run to its end there too, a client without ``connect_timeout_seconds`` (0.16's)
+is started without it, and a handshake unanswered after ``connect_timeout`` is given up on
+(0.16's CONNECT is main's CONNECT_ACK: a main engine never answers it).
 """
 
 from __future__ import annotations
@@ -45,13 +59,22 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
+import inspect
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from discovery._errors import ConfigurationError, DiscoveryError, NoEngineAvailableError
+from discovery._errors import (
+    ClosedError,
+    ConfigurationError,
+    DiscoveryError,
+    NoEngineAvailableError,
+)
 from discovery._etcd.port import EtcdPort
 from discovery._records.handoff import EngineRole
 from discovery._records.record import EngineRecord, EngineStatus
@@ -66,6 +89,10 @@ __all__ = ["ControlResult", "FleetClient", "RequestLostError"]
 log = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_HOLD = 60.0
+"""Seconds a request waits for a ready engine while none is (a refit), unless ``wait`` says."""
+_HELD = frozenset({EngineStatus.PAUSED, EngineStatus.STARTING, EngineStatus.STALLED})
+"""Not ready now, ready again later: a request waits for such an engine rather than fail."""
 
 
 class EngineClient(Protocol):
@@ -73,11 +100,7 @@ class EngineClient(Protocol):
 
     next_request_id: int
 
-    def start(
-        self,
-        loop: asyncio.AbstractEventLoop | None = ...,
-        connect_timeout_seconds: float | None = ...,
-    ) -> None: ...
+    def start(self, loop: Any = ..., connect_timeout_seconds: float | None = ...) -> Any: ...
 
     def add_request(
         self, prompt: Any, sampling_params: Any, *, multi_modal_data: Any = ...
@@ -99,15 +122,15 @@ class EngineClient(Protocol):
 
     def abort_request(self, request_id: int) -> None: ...
 
-    def pause_engines(self) -> None: ...
+    def pause_engines(self) -> Any: ...
 
-    def unpause_engines(self) -> None: ...
+    def unpause_engines(self) -> Any: ...
 
-    def suspend_engines(self) -> None: ...
+    def suspend_engines(self) -> Any: ...
 
-    def resume_engines(self) -> None: ...
+    def resume_engines(self) -> Any: ...
 
-    def set_generation_epoch(self, generation_epoch: int) -> None: ...
+    def set_generation_epoch(self, generation_epoch: int) -> Any: ...
 
     def stop(self) -> None: ...
 
@@ -187,8 +210,10 @@ class FleetClient:
 
     ``client_factory(address)`` makes an engine's client (default: Megatron's);
     ``connect_timeout`` bounds each handshake; ``resend`` sends a request whose engine was
-    lost before answering once more, elsewhere. ``settings`` / ``connection`` reach etcd for
-    the fleet control calls (default: ``DISCOVERY_*``). The router's table must be started.
+    lost before answering once more, elsewhere; ``hold`` is how long a request without a
+    ``wait`` waits for a ready engine while the router's are paused, suspended, starting or
+    stalled. ``settings`` / ``connection`` reach etcd for the fleet control calls (default:
+    ``DISCOVERY_*``). The router's table must be started.
     """
 
     def __init__(
@@ -198,15 +223,22 @@ class FleetClient:
         client_factory: ClientFactory | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         resend: bool = True,
+        hold: float = DEFAULT_HOLD,
         settings: Settings | None = None,
         connection: EtcdPort | None = None,
     ) -> None:
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout must be positive, got {connect_timeout!r}")
+        if not hold >= 0:
+            raise ValueError(f"hold must be 0 or more seconds, got {hold!r}")
         self._router = router
         self._factory = client_factory or megatron_client
         self._connect_timeout = float(connect_timeout)
         self._resend = resend
+        self._hold = float(hold)
+        self._changes: list[asyncio.Future[None]] = []  # held picks, woken by table changes
+        self._handoffs: dict[int, EngineClient] = {}  # a prefill reply's id -> its client
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._settings = settings
         self._connection = connection
         self._engines: dict[str, _Engine] = {}
@@ -219,12 +251,19 @@ class FleetClient:
 
     async def start(self) -> FleetClient:
         """Open a client for every engine the router sees, and follow its table."""
+        return self.bind(asyncio.get_running_loop())
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> FleetClient:
+        """``start`` on ``loop`` from its own thread, for a caller that is not a coroutine.
+
+        Every method runs on ``loop`` from then on; it may not be running yet.
+        """
         if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            loop = self._loop
+            self._loop = loop
 
             def changed(batch: object, snapshot: object) -> None:
-                loop.call_soon_threadsafe(self._sync)
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    loop.call_soon_threadsafe(self._sync)
 
             self._unsubscribe = self._router._table.subscribe(changed)
             self._sync()
@@ -232,6 +271,10 @@ class FleetClient:
 
     async def stop(self) -> None:
         """Stop every engine's client. Requests still waiting fail (RequestLostError)."""
+        self.close()
+
+    def close(self) -> None:
+        """``stop``, for a caller that is not a coroutine (on the loop's thread)."""
         self._closed = True
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -257,6 +300,10 @@ class FleetClient:
         """Open a client for each new engine (or new address); stop those of engines gone."""
         if self._loop is None:
             return
+        changes, self._changes = self._changes, []
+        for change in changes:
+            if not change.done():
+                change.set_result(None)
         records = self._router.engines()
         self._disaggregated = any(r.role is EngineRole.DECODE for r in records.values())
         for engine_id, engine in list(self._engines.items()):
@@ -273,15 +320,67 @@ class FleetClient:
         address = record.endpoint.coordinator_address
         engine = _Engine(address, self._loop.create_future())
         self._engines[engine_id] = engine
-        opening = self._loop.run_in_executor(None, self._connect, address)
+        opening: asyncio.Future[EngineClient] = self._loop.create_future()
+        threading.Thread(
+            target=self._connect_thread,
+            args=(address, opening),
+            name="discovery-fleet-connect",
+            daemon=True,
+        ).start()
         opening.add_done_callback(lambda done: self._opened(engine_id, engine, done))
+        # A handshake without a timeout of its own (megatron-core 0.16's) is bounded here.
+        late = self._loop.call_later(
+            self._connect_timeout, self._unanswered, engine_id, engine, opening
+        )
+        engine.ready.add_done_callback(lambda _: late.cancel())
         return engine
 
+    def _connect_thread(self, address: str, opening: asyncio.Future[EngineClient]) -> None:
+        """``_connect`` on a thread of its own, its outcome handed to the loop.
+
+        Not the loop's executor: a handshake that never returns (0.16's has no timeout)
+        would hold ``asyncio.run``'s shutdown, which waits for the executor's threads.
+        """
+        assert self._loop is not None
+        client = None
+        try:
+            client = self._connect(address)
+            outcome = functools.partial(_settle, opening, client, None)
+        except BaseException as exc:  # handed over, whatever it is
+            outcome = functools.partial(_settle, opening, None, exc)
+        try:
+            self._loop.call_soon_threadsafe(outcome)
+        except RuntimeError:  # the loop is closed: nobody will use the client
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.stop()
+
+    def _unanswered(self, engine_id: str, engine: _Engine, opening: asyncio.Future[Any]) -> None:
+        if engine.ready.done():
+            return
+        error = TimeoutError(f"no handshake from {engine.address} in {self._connect_timeout} s")
+        self._opened(engine_id, engine, _failed(self._loop, error))
+
     def _connect(self, address: str) -> EngineClient:
-        """Make and start a client (off the loop: Megatron's handshake blocks)."""
+        """Make and start a client (off the loop: Megatron's handshake blocks).
+
+        The client is given the loop behind ``_LoopProxy``: its receive task is created on
+        the loop's own thread. A coroutine ``start`` (megatron-core 0.16) runs to its end here.
+        """
+        assert self._loop is not None
         client = self._factory(address)
         try:
-            client.start(loop=self._loop, connect_timeout_seconds=self._connect_timeout)
+            start = client.start
+            if "connect_timeout_seconds" in _parameters(start):
+                started = start(
+                    loop=_LoopProxy(self._loop), connect_timeout_seconds=self._connect_timeout
+                )
+            else:
+                started = start(loop=_LoopProxy(self._loop))
+            if inspect.isawaitable(started):
+                asyncio.run(_awaited(started))
+            if self._closed:  # stopped meanwhile: its loop may be gone, nobody else stops it
+                raise ClosedError("the fleet client was stopped while it opened")
         except BaseException:
             with contextlib.suppress(Exception):
                 client.stop()
@@ -289,6 +388,11 @@ class FleetClient:
         return client
 
     def _opened(self, engine_id: str, engine: _Engine, done: asyncio.Future[EngineClient]) -> None:
+        if engine.ready.done():  # given up on (_unanswered): a late client is not kept
+            if not done.cancelled() and done.exception() is None:
+                with contextlib.suppress(Exception):
+                    done.result().stop()
+            return
         if done.cancelled():
             engine.ready.cancel()
             return
@@ -391,6 +495,72 @@ class FleetClient:
         options = self._options(session_key, selector, priority, multi_modal_data)
         return self._stream(route, options, wait)
 
+    def add_request_with_kv_handoff(
+        self, prompt: str | Sequence[int], sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> asyncio.Future[Any]:
+        """Megatron's decode side of a hand-off, on an engine the router picks (not resent).
+
+        A decode engine when the router sees some; the KV comes from the prefill peer that
+        ``kv_meta`` names.
+        """
+        route = self._route(prompt, sampling_params, None, None)
+        return asyncio.ensure_future(self._handoff(route, kv_meta, src_block_ids))
+
+    def add_request_with_kv_handoff_streaming(
+        self, prompt: str | Sequence[int], sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> AsyncIterator[Any]:
+        """``add_request_with_kv_handoff``, streamed as ``add_request_streaming`` is."""
+        route = self._route(prompt, sampling_params, None, None)
+        return self._handoff_stream(route, kv_meta, src_block_ids)
+
+    def release_handoff(self, request_id: int) -> None:
+        """Release a hand-off's pinned blocks on the engine whose prefill reply named it.
+
+        Megatron's coordinator broadcasts RELEASE_KV to its engines; over a fleet each
+        coordinator numbers its own requests, so it goes to the one that made ``request_id``
+        only (a reply through this client; an id it never saw is logged and dropped).
+        """
+        client = self._handoffs.pop(request_id, None)
+        if client is None:
+            log.warning("release_handoff(%s): no prefill reply of this client had it", request_id)
+            return
+        client.release_handoff(request_id)
+
+    async def _decode_handle(self, route: _Route) -> PickHandle:
+        pair = await self._pick(route, _NO_OPTIONS, None, ())
+        if pair.prefill is not None:  # the decode engine only: its prefill peer is given
+            pair.prefill.release()
+        return pair.decode
+
+    async def _handoff(self, route: _Route, kv_meta: Any, block_ids: Any) -> Any:
+        handle = await self._decode_handle(route)
+        try:
+            return await self._on(
+                handle,
+                route,
+                lambda client: client.add_request_with_kv_handoff(
+                    route.prompt, route.params, kv_meta, block_ids
+                ),
+            )
+        except _Lost as lost:
+            raise RequestLostError(handle.engine_id, lost.reason, tokens=0, resent=False) from None
+
+    async def _handoff_stream(
+        self, route: _Route, kv_meta: Any, block_ids: Any
+    ) -> AsyncIterator[Any]:
+        handle = await self._decode_handle(route)
+
+        def start(client: EngineClient) -> AsyncIterator[Any]:
+            return client.add_request_with_kv_handoff_streaming(
+                route.prompt, route.params, kv_meta, block_ids
+            )
+
+        try:
+            async for item in self._items(handle, start):
+                yield item
+        except _Lost as lost:
+            raise RequestLostError(handle.engine_id, lost.reason, tokens=0, resent=False) from None
+
     @staticmethod
     def _options(
         session_key: str | bytes | int | None,
@@ -433,7 +603,56 @@ class FleetClient:
         wait: float | None,
         excluded: Collection[str],
     ) -> PickPair:
-        """The engine (or pair) for one attempt of a request."""
+        """The engine (or pair) for one attempt; held while no engine is ready but may be."""
+        deadline: float | None = None
+        while True:
+            try:
+                return await self._pick_once(route, options, wait, excluded)
+            except NoEngineAvailableError:
+                if not self._may_be_ready(excluded):
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + (self._hold if wait is None else wait)
+                if now >= deadline:
+                    raise
+                await self._table_change(deadline - now)
+
+    def statuses(self) -> dict[str, int]:
+        """How many engines the router sees, by their records' status (``ready``: 2, ...)."""
+        counts: dict[str, int] = {}
+        for record in self._router.engines().values():
+            counts[record.status.value] = counts.get(record.status.value, 0) + 1
+        return counts
+
+    def may_be_ready(self) -> bool:
+        """Whether a request would be held now (an engine paused, starting or stalled)."""
+        return self._may_be_ready(())
+
+    def _may_be_ready(self, excluded: Collection[str]) -> bool:
+        """Whether an engine the router sees is not ready now but may be (a refit)."""
+        records = self._router.engines()
+        return any(r.status in _HELD for e, r in records.items() if e not in excluded)
+
+    async def _table_change(self, timeout: float) -> None:
+        """Return after the router's table next changes, or after ``timeout`` seconds."""
+        assert self._loop is not None
+        change = self._loop.create_future()
+        self._changes.append(change)
+        try:
+            await asyncio.wait([change], timeout=timeout)
+        finally:
+            if not change.done():
+                change.cancel()
+                self._changes.remove(change)
+
+    async def _pick_once(
+        self,
+        route: _Route,
+        options: Mapping[str, Any],
+        wait: float | None,
+        excluded: Collection[str],
+    ) -> PickPair:
         router = self._router
         if not self._disaggregated:
             handle = await router.apick(
@@ -602,6 +821,7 @@ class FleetClient:
                         lost.handle.engine_id, lost.reason, tokens=tokens, resent=resent
                     ) from None
                 resent = True
+                _log_resend(lost.handle.engine_id, lost.reason, "stream")
 
     async def _stream_on(self, route: _Route, pair: PickPair) -> AsyncIterator[Any]:
         """One streamed attempt: items until the final one; raises _Lost on a loss."""
@@ -616,6 +836,8 @@ class FleetClient:
 
             def start(client: EngineClient) -> AsyncIterator[Any]:
                 if handoff is None:
+                    if route.images is None:  # as megatron-core 0.16 takes it: no keyword
+                        return client.add_request_streaming(route.prompt, route.params)
                     return client.add_request_streaming(
                         route.prompt, route.params, multi_modal_data=route.images
                     )
@@ -657,13 +879,17 @@ class FleetClient:
                 except StopAsyncIteration:  # ended without its final item: client stopped
                     handle.release(failed=True)
                     raise _Lost(handle, self._stopped_reason(handle)) from None
-                yield item
                 if isinstance(item, dict) and "final" in item:
+                    # Released before it is handed out: a caller that stops reading here
+                    # (a return in its loop) holds nothing, and its close aborts nothing.
                     handle.release()
+                    yield item
                     return
+                yield item
         except (asyncio.CancelledError, GeneratorExit):
-            _abort(client, engine_request, None)
-            handle.release()
+            if not handle.released:  # not after the final item: the engine is done with it
+                _abort(client, engine_request, None)
+                handle.release()
             raise
         finally:
             lost.cancel()
@@ -701,6 +927,59 @@ class FleetClient:
             selector, _ready_after(epoch, status=False), "set_generation_epoch", epoch=epoch
         )
 
+    async def unpause(self, selector: Mapping[str, str] | None = None) -> ControlResult:
+        """UNPAUSE the engines (Megatron's ``unpause_engines``), then their records ``ready``."""
+        return await self._control(selector, _ready_after(None), "unpause_engines")
+
+    def send(
+        self, signal: str, selector: Mapping[str, str] | None = None
+    ) -> asyncio.Future[ControlResult]:
+        """Megatron's control ``signal`` to each engine; its record is left as it is.
+
+        ``signal`` is a method of Megatron's client that takes no argument
+        (``start_cuda_profiler``, ``stop_engines``, ...). It goes at once through every
+        client open (as Megatron's client sends it), and to the others once they open;
+        the future resolves when it went everywhere it could.
+        """
+        assert self._loop is not None
+        records = self._router.engines()
+        sent: dict[str, str | None] = {}
+        later = []
+        for engine_id, record in sorted(records.items()):
+            if not record.matches(selector):
+                continue
+            engine = self._engines.get(engine_id)
+            if engine is not None and engine.client is not None:
+                sent[engine_id] = _send_now(engine.client, signal)
+            else:
+                later.append((engine_id, record))
+        result: asyncio.Future[ControlResult] = self._loop.create_future()
+
+        async def rest() -> None:
+            outcomes = await asyncio.gather(
+                *(self._control_one(e, r, _Mark(), (signal,), None) for e, r in later)
+            )
+            sent.update(zip((e for e, _ in later), outcomes, strict=True))
+            result.set_result(self._result(sent))
+
+        if later:
+            self._keep(asyncio.ensure_future(rest()))
+        else:
+            result.set_result(self._result(sent))
+        return result
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.add(task)  # kept until done: the loop holds its tasks weakly
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _result(outcomes: Mapping[str, str | None]) -> ControlResult:
+        done = tuple(e for e, problem in outcomes.items() if problem is None)
+        failed = {e: p for e, p in outcomes.items() if p is not None}
+        for engine_id, problem in failed.items():
+            log.warning("engine %s: %s", engine_id, problem)
+        return ControlResult(done, failed)
+
     async def _control(
         self,
         selector: Mapping[str, str] | None,
@@ -713,11 +992,7 @@ class FleetClient:
         outcomes = await asyncio.gather(
             *(self._control_one(e, records[e], mark, signals, epoch) for e in chosen)
         )
-        done = tuple(e for e, problem in zip(chosen, outcomes, strict=True) if problem is None)
-        failed = {e: p for e, p in zip(chosen, outcomes, strict=True) if p is not None}
-        for engine_id, problem in failed.items():
-            log.warning("engine %s: %s", engine_id, problem)
-        return ControlResult(done, failed)
+        return self._result(dict(zip(chosen, outcomes, strict=True)))
 
     async def _control_one(
         self,
@@ -748,8 +1023,15 @@ class FleetClient:
         except Exception as exc:
             return f"no client to send {', '.join(signals)}: {exc}"
         for signal in signals:
-            method = getattr(client, signal)
-            method(epoch) if signal == "set_generation_epoch" else method()
+            method = getattr(client, signal, None)
+            if method is None:
+                return f"its client ({type(client).__module__}) has no {signal}"
+            sent = method(epoch) if signal == "set_generation_epoch" else method()
+            if inspect.isawaitable(sent):  # megatron-core 0.16's pause: PAUSE_ACK
+                try:
+                    await asyncio.wait_for(sent, self._connect_timeout)
+                except TimeoutError:
+                    return f"{signal} sent, not acknowledged in {self._connect_timeout} s"
         if mark.after is not None:
             problem = await self._mark(engine_id, mark.after)
             if problem is not None:
@@ -829,12 +1111,17 @@ class _Request(asyncio.Future[Any]):
                 handle = fleet._pick_now(
                     self._route, self._options, self._wait, self._excluded, self._heard_lost
                 )
+            except NoEngineAvailableError as exc:  # held (``_pick``) if an engine may be ready
+                if self._wait == 0 or not fleet._may_be_ready(self._excluded):
+                    self._fail(exc)
+                    return
             except Exception as exc:
                 self._fail(exc)
                 return
-            if handle is not None:
-                self._on(handle)
-                return
+            else:
+                if handle is not None:
+                    self._on(handle)
+                    return
         self._task = asyncio.ensure_future(
             fleet._pick(self._route, self._options, self._wait, self._excluded)
         )
@@ -908,7 +1195,12 @@ class _Request(asyncio.Future[Any]):
     def _submit(self, handle: PickHandle, client: EngineClient) -> None:
         route = self._route
         try:
-            reply = client.add_request(route.prompt, route.params, multi_modal_data=route.images)
+            if route.images is None:  # as megatron-core 0.16 takes it: no keyword
+                reply = client.add_request(route.prompt, route.params)
+            else:
+                reply = client.add_request(
+                    route.prompt, route.params, multi_modal_data=route.images
+                )
         except Exception as exc:
             handle.__exit__(type(exc))  # released, no outcome: it may not be the engine's
             self._fail(exc)
@@ -933,8 +1225,12 @@ class _Request(asyncio.Future[Any]):
             self._fail(error)
             return
         handle.release()  # it answered, whatever the reply says of the request
+        result = reply.result()
+        if type(result) is dict and result.get("disaggregated_params"):  # a prefill reply
+            assert self._client is not None
+            self._fleet._handoffs[result["disaggregated_params"]["request_id"]] = self._client
         if not self.done():
-            self.set_result(reply.result())
+            self.set_result(result)
 
     def _heard_lost(self, handle: PickHandle) -> None:
         """The router's notice (on the table's event thread): handle it on the loop."""
@@ -963,11 +1259,7 @@ class _Request(asyncio.Future[Any]):
             )
             return
         self._resent = True
-        log.warning(
-            "engine %s lost before it answered (%s): sending the request again",
-            handle.engine_id,
-            reason,
-        )
+        _log_resend(handle.engine_id, reason, "request")
         self._attempt()
 
     def _fail(self, error: BaseException) -> None:
@@ -1018,9 +1310,29 @@ def _not_ready(record: EngineRecord | None) -> bool:
 
 def _submit(route: _Route, params: Any) -> Callable[[EngineClient], asyncio.Future[Any]]:
     def submit(client: EngineClient) -> asyncio.Future[Any]:
+        if route.images is None:
+            return client.add_request(route.prompt, params)
         return client.add_request(route.prompt, params, multi_modal_data=route.images)
 
     return submit
+
+
+def _send_now(client: EngineClient, signal: str) -> str | None:
+    """Call ``signal`` on ``client`` now; None, or why it could not."""
+    method = getattr(client, signal, None)
+    if method is None:
+        return f"its client ({type(client).__module__}) has no {signal}"
+    try:
+        method()
+    except Exception as exc:  # a client that closed meanwhile
+        return f"{signal} failed: {exc}"
+    return None
+
+
+def _log_resend(engine_id: str, reason: str, what: str) -> None:
+    log.warning(
+        "engine %s lost before it answered (%s): sending the %s again", engine_id, reason, what
+    )
 
 
 def _abort(client: EngineClient, request_id: int, future: asyncio.Future[Any] | None) -> None:
@@ -1032,9 +1344,17 @@ def _abort(client: EngineClient, request_id: int, future: asyncio.Future[Any] | 
 
 
 def _get(params: Any, name: str) -> Any:
-    if type(params) is dict or isinstance(params, Mapping):  # the first: cheap, per request
+    # Per request: a dict or Megatron's SamplingParams first, the Mapping ABC check (slow
+    # for any other class) last.
+    if type(params) is dict:
         return params.get(name)
-    return getattr(params, name, None)
+    value = getattr(params, name, _ABSENT)
+    if value is not _ABSENT:
+        return value
+    return params.get(name) if isinstance(params, Mapping) else None
+
+
+_ABSENT = object()
 
 
 def _handoff_params(params: Any) -> Any:
@@ -1048,3 +1368,102 @@ def _handoff_params(params: Any) -> Any:
     for name, value in changes.items():
         setattr(copied, name, value)
     return copied
+
+
+class _LoopProxy:
+    """The event loop as an engine's client sees it while it starts on a thread of its own.
+
+    What the client schedules with ``create_task`` (Megatron's receive task) is created on
+    the loop's own thread (``_LoopTask``); everything else is the loop's.
+    """
+
+    __slots__ = ("_loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def create_task(self, coro: Any, **options: Any) -> Any:
+        """The task on the loop: at once on its thread, else through ``call_soon_threadsafe``."""
+        if _on_thread_of(self._loop):
+            return self._loop.create_task(coro, **options)
+        return _LoopTask(self._loop, coro, options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
+class _LoopTask:
+    """A task created on ``loop``'s thread for a caller on another, as a task to its owner.
+
+    ``cancel()`` on the loop's thread cancels the task then and there: Megatron's ``stop()``
+    cancels its receive task and closes the socket next, and a cancellation still on its way
+    (``run_coroutine_threadsafe``'s) let the task read the closed socket once more
+    (ZMQError, and Megatron's ``trace_async_exceptions`` exits the process).
+    """
+
+    __slots__ = ("_cancelled", "_coro", "_loop", "_task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Any, options: Any) -> None:
+        self._loop = loop
+        self._coro = coro
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        loop.call_soon_threadsafe(self._create, options)
+
+    def _create(self, options: Any) -> None:
+        if self._cancelled:
+            self._coro.close()  # never started: nothing to cancel
+            return
+        self._task = self._loop.create_task(self._coro, **options)
+
+    def cancel(self) -> bool:
+        """Cancel the task (at once on the loop's thread)."""
+        if not _on_thread_of(self._loop):
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing runs
+                self._loop.call_soon_threadsafe(self.cancel)
+            return True
+        self._cancelled = True
+        return self._task.cancel() if self._task is not None else True
+
+    def done(self) -> bool:
+        """Whether the task is done (or was cancelled before it started)."""
+        return self._task.done() if self._task is not None else self._cancelled
+
+
+def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+_PARAMETERS: dict[Any, frozenset[str]] = {}
+
+
+def _parameters(method: Callable[..., Any]) -> frozenset[str]:
+    """The names ``method`` takes (cached by its function: this runs once per client)."""
+    function = getattr(method, "__func__", method)
+    names = _PARAMETERS.get(function)
+    if names is None:
+        names = _PARAMETERS[function] = frozenset(inspect.signature(method).parameters)
+    return names
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _failed(loop: asyncio.AbstractEventLoop | None, error: BaseException) -> asyncio.Future[Any]:
+    assert loop is not None
+    future: asyncio.Future[Any] = loop.create_future()
+    future.set_exception(error)
+    return future

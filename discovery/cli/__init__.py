@@ -34,12 +34,13 @@ from ._commands import (
     cmd_register,
     cmd_resume,
     cmd_schema,
+    cmd_serve,
     cmd_top,
     cmd_undrain,
     cmd_watch,
 )
 from ._demo import cmd_demo
-from ._logging import command_logging, report_failure
+from ._logging import command_logging, log_level, report_failure
 from ._top import add_top_flags
 
 __all__ = ["build_parser", "main"]
@@ -118,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_flags(watch)
     watch.set_defaults(func=cmd_watch)
 
+    _add_serve_command(commands)
+
     schema = commands.add_parser(
         "schema",
         help="print the JSON Schema (draft 2020-12) of the stored value (docs/record.md)",
@@ -132,6 +135,57 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_flags(demo)
     demo.set_defaults(func=cmd_demo)
     return parser
+
+
+def _add_serve_command(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="Megatron's own OpenAI-compatible server over the whole fleet",
+        description="Serve Megatron's OpenAI-compatible endpoints (completions, chat "
+        "completions, health, profile; from the installed megatron-core, with its tokenizer "
+        "and parsers) over every engine the fleet string names, replicas sharing one port as "
+        "Megatron runs them. /health says how many engines are ready; no engine ready: 503 "
+        "with Retry-After. SIGTERM stops taking connections and lets requests in flight "
+        "finish. Exit status: 0 stopped, 1 etcd unreachable at start or every replica died, "
+        "2 bad input or megatron-core / discovery[serve] missing.",
+    )
+    serve.add_argument(
+        "fleet",
+        help="the fleet: etcd[s]://HOST:PORT[,HOST:PORT...]/NAMESPACE[?selector=...&policy=...]"
+        " (no hosts: $DISCOVERY_ETCD_ENDPOINTS; TLS and credentials from $DISCOVERY_*)",
+    )
+    serve.add_argument(
+        "--tokenizer", required=True, help="the model's tokenizer (MegatronTokenizer's path)"
+    )
+    serve.add_argument(
+        "--tokenizer-library", default="huggingface", help="its library (default huggingface)"
+    )
+    serve.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=5000, help="port (default 5000, Megatron's)")
+    serve.add_argument(
+        "--replicas", type=int, default=4, help="server processes on the port (default 4)"
+    )
+    serve.add_argument(
+        "--parsers", nargs="+", default=[], help="Megatron's response parsers, by name"
+    )
+    serve.add_argument("--chat-template", help="a chat template (a file, or the template)")
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, seconds requests in flight have to finish (default 30)",
+    )
+    serve.add_argument(
+        "--retry-after", type=int, default=1, metavar="S", help="Retry-After of a 503 (default 1)"
+    )
+    serve.add_argument("--verbose", action="store_true", help="Megatron's request logging")
+    serve.add_argument(
+        "--log-level", default="INFO", type=log_level, help="DEBUG, INFO, WARNING, ERROR"
+    )
+    serve.add_argument("--log-format", choices=("text", "json"), default="text")
+    add_metrics_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
 
 def _add_status_commands(commands: Any) -> None:

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 
 from discovery import (
@@ -24,6 +25,7 @@ from discovery import (
     RegistrationState,
     Router,
     Selector,
+    ServeOptions,
     Settings,
     Split,
     StopSignals,
@@ -36,6 +38,7 @@ from discovery import (
     record_schema,
     register_engine,
     resume,
+    serve_fleet,
     undrain,
     watch_table,
 )
@@ -364,3 +367,28 @@ def cmd_top(args: argparse.Namespace) -> int:
     if not sys.stdout.isatty():
         return _print_events(settings, selector, "text", stop)
     return run_top(settings, selector, args.sort, stop, split)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Megatron's OpenAI-compatible server over the fleet, until SIGTERM/SIGINT."""
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):  # as Megatron reads it
+        with open(chat_template, encoding="utf-8") as file:
+            chat_template = file.read()
+    options = ServeOptions(
+        fleet=args.fleet,
+        tokenizer=args.tokenizer,
+        tokenizer_library=args.tokenizer_library,
+        host=args.host,
+        port=args.port,
+        replicas=args.replicas,
+        parsers=tuple(args.parsers),
+        chat_template=chat_template,
+        verbose=args.verbose,
+        grace=args.grace,
+        retry_after=args.retry_after,
+    )
+    stop = StopSignals()
+    return serve_fleet(
+        options, lambda timeout: bool(stop.wait(timeout)), metrics=metrics_from_args(args)
+    )

@@ -35,13 +35,15 @@ token ``i`` (from 0) of a prompt is ``32 + (sum(prompt tokens) + 31 * seed + ima
 % 95`` (printable ASCII, so ``generated_text`` reads), ``images`` being the CRC-32 of the
 request's ``multi_modal_data["image"]`` packed with msgpack (0 without images;
 ``generated_tokens()`` gives them, for a test to tell engines apart by seed). Each engine
-step takes ``token_delay`` seconds and gives every running request one token; a request ends
+step takes ``token_delay`` seconds and gives every running request one token (the first
+``max_running`` by arrival, when given: the others wait, as beyond Megatron's
+``max_requests``); a request ends
 at ``num_tokens_to_generate`` (by default the context length minus the prompt, Megatron's
 rule) or on its ``termination_id``. With ``return_log_probs`` each token's log probability
 is ``-(token % 10 + 1) / 10``. A prompt longer than the context length fails as Megatron's
 does (status ``FAILED``, a ``MaxSequenceLengthOverflowError`` event), as do the submissions
 Megatron refuses before admission. Not modelled: stop words, top-n log probabilities (always
-``None``), image token expansion, batch limits.
+``None``), image token expansion, token-budget batch limits.
 
 A prefill request (``do_kv_handoff``) ends with ``disaggregated_params = {"request_id",
 "block_ids", "kv_meta": {"engine": coordinator address, "resume_tokens": [last token]}}``
@@ -52,10 +54,17 @@ unknown header, a hand-off it refuses), the stand-in logs the reason and drops t
 
 Text prompts and requests without images are prefix-cached at the engine: ``on_prompt``
 gets their tokens when they are scheduled (the stand-in sends the KV events).
+
+``wire="0.16.1"`` speaks the released megatron-core 0.16.1's wire instead
+(``stand_in_wire.RELEASED_HEADERS``): its header values, its three-field submit, its reply
+(``released_record``), PAUSE and STOP acknowledged to every client (``[PAUSE_ACK,
+engine identity]``, ``[STOP_ACK, ...]``, as its coordinator sends them once its engines
+acknowledged), and none of main's other messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -71,6 +80,7 @@ from typing import Any
 from discovery._state.blockhash import block_hashes
 from discovery._state.relay import bind_socket
 from discovery.testing.stand_in_wire import (
+    RELEASED_HEADERS,
     Headers,
     SamplingParams,
     Submit,
@@ -78,6 +88,7 @@ from discovery.testing.stand_in_wire import (
     WireError,
     pack,
     read,
+    released_record,
 )
 
 __all__ = [
@@ -103,6 +114,9 @@ _CONTROL = (
     Headers.RESUME,
     Headers.SET_GENERATION_EPOCH,
     Headers.STOP,
+)
+_SIGNALS = frozenset(
+    {*_CONTROL, Headers.START_CUDA_PROFILER, Headers.STOP_CUDA_PROFILER, Headers.SHUTDOWN}
 )
 
 
@@ -324,8 +338,10 @@ class _Engine:
         block_size: int,
         prefix_caching: bool,
         transfer_meta: dict[str, Any],
+        max_running: int | None = None,
     ) -> None:
         self.state = MegatronEngineState.RUNNING
+        self._max_running = max_running
         self.epoch: Any = None
         self.requests: dict[int, _Request] = {}
         self.pinned: dict[int, list[int]] = {}
@@ -494,7 +510,8 @@ class _Engine:
         """One engine step: schedule what waits, one token for each request, replies."""
         self._step_started = None
         finished = []
-        for request in list(self.requests.values()):
+        # The first max_running requests (Megatron's max_requests: the others wait).
+        for request in itertools.islice(list(self.requests.values()), self._max_running):
             if not request.scheduled:
                 self._schedule(request)
             if self._advance(request):
@@ -624,6 +641,14 @@ def _int(fields: list[Any], what: str) -> int:
         raise WireError(f"{what}'s request id is not an integer: {fields[0]!r:.60}") from exc
 
 
+RELEASE = "0.16.1"
+"""The released megatron-core whose wire ``wire=RELEASE`` speaks."""
+_FROM_RELEASED = {value: name for name, value in RELEASED_HEADERS.items()}
+_RELEASED_TAKES = frozenset(
+    {"CONNECT", "SUBMIT_REQUEST", "PAUSE", "UNPAUSE", "SUSPEND", "RESUME", "STOP"}
+)
+
+
 class StandInCoordinator:
     """Megatron's coordinator with one stand-in engine, on a ROUTER socket and a thread.
 
@@ -645,11 +670,19 @@ class StandInCoordinator:
         block_size: int = 256,
         prefix_caching: bool = True,
         on_stop: Callable[[], None] | None = None,
+        wire: str = "main",
+        max_running: int | None = None,
     ) -> None:
         import zmq  # noqa: PLC0415 - the launch extra
 
+        if wire not in ("main", RELEASE):
+            raise ValueError(f"wire must be 'main' or {RELEASE!r}, got {wire!r}")
+        self.wire = wire
+
         if token_delay < 0 or context_length <= 0 or block_size <= 0:
             raise ValueError("token_delay must be >= 0, context_length and block_size > 0")
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be 1 or more, got {max_running}")
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # as Megatron's: a gone client raises
@@ -675,6 +708,7 @@ class StandInCoordinator:
             block_size=block_size,
             prefix_caching=prefix_caching,
             transfer_meta={"engine": self.address},
+            max_running=max_running,
         )
         self._on_stop = on_stop
         self._clients: set[bytes] = set()
@@ -684,6 +718,7 @@ class StandInCoordinator:
         self._talking = True
         self._serving = True  # the ROUTER socket is open
         self._paused_submits = 0
+        self._signals: list[str] = []  # the control signals heard, in order
         self._thread = threading.Thread(target=self._run, name="stand-in-coordinator", daemon=True)
         self._handlers: dict[Headers, Callable[[bytes, list[Any], Headers], None]] = {
             Headers.CONNECT: self._on_connect,
@@ -720,6 +755,12 @@ class StandInCoordinator:
         """Submits that arrived while the engine was paused or suspended."""
         with self._lock:
             return self._paused_submits
+
+    @property
+    def signals(self) -> list[str]:
+        """The names of the control and profiler signals heard from clients, in order."""
+        with self._lock:
+            return list(self._signals)
 
     def pinned_handoffs(self) -> dict[int, list[int]]:
         """Hand-offs whose blocks are pinned: request id -> block ids."""
@@ -814,7 +855,7 @@ class StandInCoordinator:
         if frame == b"":
             log.info("ignored a data-parallel rank's registration: the stand-in has its engine")
             return
-        message = read(frame, log)
+        message = read(frame, log) if self.wire == "main" else self._read_released(frame)
         if message is None:
             return
         header, fields = message
@@ -826,6 +867,8 @@ class StandInCoordinator:
             log.info("ignored %s from a client that has not connected", header.name)
             return
         with self._lock:
+            if header in _SIGNALS:
+                self._signals.append(header.name)
             try:
                 handler(identity, fields, header)
             except (_Refused, WireError) as exc:
@@ -834,8 +877,35 @@ class StandInCoordinator:
                 log.exception("dropped %s: it raised", header.name)
             self._flush()
 
+    def _read_released(self, frame: bytes) -> tuple[Headers, list[Any]] | None:
+        """A 0.16.1 frame as main's header and fields (None, logged: what it does not take)."""
+        import msgpack  # noqa: PLC0415
+
+        try:
+            message = msgpack.unpackb(frame, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            log.warning("dropped a message: not msgpack (%s)", exc)
+            return None
+        name = _FROM_RELEASED.get(message[0]) if isinstance(message, list) and message else None
+        if name not in _RELEASED_TAKES:
+            log.warning("dropped a message megatron-core %s's coordinator does not take", RELEASE)
+            return None
+        if name == "SUBMIT_REQUEST" and len(message) != 4:  # it unpacks exactly three
+            log.warning("dropped a %d-field SUBMIT_REQUEST: %s takes 3", len(message) - 1, RELEASE)
+            return None
+        return Headers[name], message[1:]
+
     def _send(self, identity: bytes, message: list[Any]) -> None:
         import zmq  # noqa: PLC0415
+
+        if self.wire != "main":
+            header = Headers(message[0]).name
+            if header == "ENGINE_REPLY":
+                message = [RELEASED_HEADERS[header], message[1], released_record(message[2])]
+            elif header in RELEASED_HEADERS:
+                message = [RELEASED_HEADERS[header], *message[1:]]
+            else:
+                return  # no such message in 0.16.1 (a partial: it has no streaming)
 
         try:
             self._router.send_multipart([identity, pack(message)])
@@ -922,6 +992,8 @@ class StandInCoordinator:
             self._state = after
         if self._engine is not None:
             self._engine.signal(header, fields)
+        if self.wire != "main" and header in (Headers.PAUSE, Headers.STOP):
+            self._acknowledge(f"{header.name}_ACK")
         if header is Headers.STOP:
             self._state = CoordinatorState.RUNNING  # ready for engines to come
             if self._engine is not None:
@@ -929,6 +1001,15 @@ class StandInCoordinator:
                 log.info("STOP: the engine stopped")
                 if self._on_stop is not None:
                     self._on_stop()
+
+    def _acknowledge(self, name: str) -> None:
+        """0.16.1's PAUSE_ACK / STOP_ACK to every client (its one engine acknowledged)."""
+        import zmq  # noqa: PLC0415
+
+        frame = pack([RELEASED_HEADERS[name], b"stand-in-engine"])
+        for client in self._clients:
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.send_multipart([client, frame])
 
     def _on_shutdown(self, identity: bytes, fields: list[Any], header: Headers) -> None:
         log.info("SHUTDOWN: the coordinator ends; the engine stays")

@@ -15,6 +15,13 @@ Test support (nothing in the library imports it), read from Megatron-LM main at 
 * ``SamplingParams``: Megatron's dataclass of the same name (``sampling_params.py``), its
   fields and defaults, ``serialize()`` (the instance's ``__dict__``) and ``deserialize()``
   (the defaults, then every key given, unknown ones included, as ``add_attributes`` does).
+
+The released megatron-core 0.16.1 speaks another wire (its ``headers.py``,
+``inference_client.py``, ``data_parallel_inference_coordinator.py``, ``inference_request.py``):
+``RELEASED_HEADERS`` are its header values (an ``Enum`` of ``auto()`` values, from 1), its
+submit has three fields (no ``multi_modal_data``), PAUSE and STOP are acknowledged
+(``PAUSE_ACK`` / ``STOP_ACK`` to every client), there is no streaming, hand-off, epoch or
+profiler, and a reply is a ``DynamicInferenceRequestRecord`` (``released_record``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "RELEASED_HEADERS",
+    "RELEASED_REQUEST_FIELDS",
     "Headers",
     "SamplingParams",
     "Submit",
@@ -33,6 +42,7 @@ __all__ = [
     "WireError",
     "pack",
     "read",
+    "released_record",
     "unpack",
 ]
 
@@ -61,6 +71,57 @@ class Headers(enum.IntEnum):
     SHUTDOWN = 61
     TP_BROADCAST = 80
     KV_HANDOFF_COMPLETE = 81
+
+
+RELEASED_HEADERS: Mapping[str, int] = {
+    name: value
+    for value, name in enumerate(
+        (
+            "CONNECT",
+            "CONNECT_ACK",
+            "SUBMIT_REQUEST",
+            "ENGINE_REPLY",
+            "PAUSE",
+            "PAUSE_ACK",
+            "UNPAUSE",
+            "SUSPEND",
+            "RESUME",
+            "STOP",
+            "STOP_ACK",
+        ),
+        start=1,
+    )
+}
+"""megatron-core 0.16.1's headers (``headers.py``: ``Enum`` members with ``auto()`` values)."""
+
+RELEASED_REQUEST_FIELDS = (
+    # InferenceRequest's fields, then DynamicInferenceRequest's (inference_request.py, 0.16.1)
+    *("request_id", "prompt", "sampling_params", "inference_parameters", "prompt_tokens"),
+    *("arrival_time", "status", "encoder_prompt", "generated_text", "segments"),
+    *("generated_segments", "generated_sequence_lengths", "generated_tokens"),
+    *("prompt_log_probs", "generated_log_probs", "prompt_top_n_logprobs"),
+    *("generated_top_n_logprobs", "generated_length", "tpot", "remaining_prompt_tokens"),
+    *("latency", "finished_chunk_token_count", "stop_word_ids", "events"),
+)
+"""The keys of 0.16.1's ``DynamicInferenceRequest.serialize()``: its dataclass's fields."""
+
+
+def released_record(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """A reply of main's form as 0.16.1's engine sends it: a request record's ``serialize()``.
+
+    ``{"requests": [request], "latency": None}``, the request with exactly 0.16.1's fields
+    (main's others dropped, those main lacks None), tensors as ``["tensor", list]``, no
+    events (the stand-in's events are main's).
+    """
+    request: dict[str, Any] = dict.fromkeys(RELEASED_REQUEST_FIELDS)
+    request.update({k: v for k, v in reply.items() if k in request})
+    # 0.16.1's engine always sends the prompt's tokens (main's keeps them in its
+    # remaining_prompt_tokens, ["tensor", tokens]); nothing remains once prefilled.
+    request["prompt_tokens"] = reply.get("remaining_prompt_tokens")
+    request["remaining_prompt_tokens"] = ["tensor", []]
+    request["finished_chunk_token_count"] = 0
+    request["events"] = []
+    return {"requests": [request], "latency": None}
 
 
 class WireError(ValueError):

@@ -1,0 +1,1 @@
+"""Serving: Megatron's own OpenAI-compatible server over the whole fleet (``discovery serve``)."""
