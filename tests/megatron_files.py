@@ -4,7 +4,8 @@ Two sources, each a directory holding ``megatron/core/inference/inference_client
 
 * **main**: Megatron-LM's files at main d98e8a64 (the client, the headers, the sampling
   parameters, its OpenAI-compatible server). ``$DISCOVERY_TEST_MEGATRON`` names the
-  directory; else ``../shared/megatron/d98e8a64`` beside the repository (where CI has it).
+  directory; else ``shared/megatron/d98e8a64`` beside the repository or one of its parents
+  (``../shared``, where CI has it).
 * **release**: the newest ``megatron-core`` wheel on the package index (``RELEASE``),
   installed without its dependencies (it needs torch) by ``./dev`` into
   ``.venv/megatron-core-<version>``; ``$DISCOVERY_TEST_MEGATRON_RELEASE`` names another.
@@ -35,9 +36,16 @@ _CLIENT = Path("megatron", "core", "inference", "inference_client.py")
 
 
 def main_root() -> Path:
-    """Where main's files should be (they may be absent: ``main_problem`` says)."""
+    """Where main's files should be (they may be absent: ``main_problem`` says).
+
+    ``shared/megatron/<commit>`` beside the repository, or beside one of its parents (a clone
+    made in a folder of its own, as CI makes it); the one beside the repository if none is.
+    """
     configured = os.environ.get("DISCOVERY_TEST_MEGATRON")
-    return Path(configured) if configured else ROOT.parent / "shared" / "megatron" / MAIN_COMMIT
+    if configured:
+        return Path(configured)
+    beside = [parent / "shared" / "megatron" / MAIN_COMMIT for parent in ROOT.parents]
+    return next((root for root in beside if (root / _CLIENT).is_file()), beside[0])
 
 
 def release_root() -> Path:
