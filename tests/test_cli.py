@@ -12,12 +12,13 @@ import time
 
 import pytest
 
-from discovery import Settings, register_engine
+from discovery import Connection, Settings, register_engine
+from discovery._records.codec import encode
 from discovery._records.record import EngineRecord
 from discovery.cli import build_parser
 from discovery.cli._args import settings_argv, settings_from_args
 
-from .helpers import Registrar, cli_env, get_kv, make_endpoint, run_cli, wait_for
+from .helpers import Registrar, cli_env, get_kv, make_endpoint, raw_call, run_cli, wait_for
 
 
 def test_list_json_and_table(settings: Settings) -> None:
@@ -52,6 +53,33 @@ def test_list_json_and_table(settings: Settings) -> None:
             assert rows["a"][1:4] == ["ready", "-", "decode"] and rows["a"][-1] == "zone=z1"
             assert rows["b"][1:4] == ["ready", "-", "-"]  # aggregated: the absent role
             assert lines[-1] == "(2 engines)"
+
+
+def test_list_refuses_a_record_that_lies_saying_why(settings: Settings) -> None:
+    """Issue 43 item 3: a 1 MB record and one claiming 10**400 KV blocks, put by hand, are
+    not listed (the JSON stays small); stderr names each key and why."""
+    liar = json.loads(encode(EngineRecord(engine_id="liar", endpoint=make_endpoint(1))))
+    liar["capabilities"]["total_kv_blocks"] = 10**400
+    huge = {
+        **json.loads(encode(EngineRecord(engine_id="huge", endpoint=make_endpoint(2)))),
+        "padding": "x" * 1_000_000,
+    }
+    conn = Connection(settings)
+    try:
+        for engine_id, value in (("liar", liar), ("huge", huge)):
+            key = settings.keyspace.key(engine_id)
+            raw_call(conn, lambda client, k=key, v=value: client.put(k, json.dumps(v)))
+        with register_engine(make_endpoint(3), engine_id="good", ttl=30, settings=settings):
+            result = run_cli(settings, "list", "--format", "json")
+    finally:
+        conn.close()
+    assert result.returncode == 0, result.stderr
+    assert [e["engine_id"] for e in json.loads(result.stdout)["engines"]] == ["good"]
+    assert len(result.stdout) < 10_000
+    warnings = result.stderr.splitlines()
+    assert len(warnings) == 2, warnings
+    assert any("/liar" in w and "total_kv_blocks is about 10**400, over" in w for w in warnings)
+    assert any("/huge" in w and "over the 16384-byte limit of a record" in w for w in warnings)
 
 
 def test_list_takes_set_based_selectors(settings: Settings) -> None:

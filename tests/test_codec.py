@@ -25,6 +25,7 @@ from discovery import (
     RecordDecodeError,
 )
 from discovery._records.codec import decode, encode
+from discovery._records.endpoint import MAX_CAPACITY
 from discovery._records.record import validate_engine_id, validate_labels
 
 from .helpers import INTEGER_FIELDS, MEGATRON_FIELDS, POSITIVE_FIELDS, caps_kwargs
@@ -308,13 +309,14 @@ def test_round_trip_without_metadata() -> None:
 
 
 def test_integers_beyond_64_bits_round_trip() -> None:
-    # Valid for Megatron (a Python int); the fast JSON library cannot hold them.
-    caps = caps_kwargs(context_length=2**70, bos_token_id=-(2**70))
+    # Valid for Megatron (a Python int); the fast JSON library cannot hold them. Capacities
+    # are bounded by MAX_CAPACITY (below): the token id is not.
+    caps = caps_kwargs(bos_token_id=-(2**70))
     record = make_record(
         endpoint=InferenceEngineEndpoint(ADDRESS, InferenceEngineCapabilities(**caps))
     )
     data = encode(record)
-    assert json.loads(data)["capabilities"]["context_length"] == 2**70
+    assert json.loads(data)["capabilities"]["bos_token_id"] == -(2**70)
     assert KeySpace().decode(KEY.encode(), data) == record
 
 
@@ -397,6 +399,83 @@ def test_value_with_largest_labels_is_refused() -> None:
     labels = {f"label-{i:02d}": "x" * 256 for i in range(64)}
     with pytest.raises(InvalidRecordError, match="byte limit; shorten its labels"):
         encode(make_record(labels=labels))
+
+
+def test_a_stored_value_of_exactly_max_value_bytes_is_read() -> None:
+    record = make_record(labels=labels_for_value_size(MAX_VALUE_BYTES))
+    assert KeySpace().decode(KEY.encode(), encode(record)) == record
+
+
+@pytest.mark.parametrize("filler", [b" ", b"\xff"], ids=["json", "not-utf8"])
+def test_a_stored_value_over_max_value_bytes_is_refused_before_it_is_parsed(
+    filler: bytes,
+) -> None:
+    # A valid record padded past the limit (whitespace JSON allows), or bytes no parser
+    # takes: the same refusal, by size, so the value was never parsed.
+    value = encode(make_record())
+    value = value[:-1] + filler * (MAX_VALUE_BYTES + 1 - len(value)) + b"}"
+    assert len(value) == MAX_VALUE_BYTES + 1
+    assert_decode_error(value, f"^{MAX_VALUE_BYTES + 1} bytes, over the 16384-byte limit of")
+
+
+def test_a_1_mb_record_is_refused_with_its_size() -> None:
+    value = json.dumps({**json.loads(encode(make_record())), "padding": "x" * 10**6}).encode()
+    error = assert_decode_error(value, "bytes, over the 16384-byte limit of a record$")
+    assert error.reason == f"{len(value)} bytes, over the 16384-byte limit of a record"
+
+
+# --- Bounds on what a record may claim ----------------------------------------------------
+
+BOUNDED_FIELDS = (*POSITIVE_FIELDS, "total_kv_blocks")
+
+
+def test_max_capacity_is_2_to_the_40() -> None:
+    assert MAX_CAPACITY == 2**40
+
+
+@pytest.mark.parametrize("newer_key", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("name", BOUNDED_FIELDS)
+def test_a_capacity_at_its_bound_is_read_on_both_paths(name: str, newer_key: bool) -> None:
+    value = megatron_value(**{name: MAX_CAPACITY}) | ({"future": 1} if newer_key else {})
+    record = decode_obj(value)
+    assert getattr(record.endpoint.capabilities, name) == MAX_CAPACITY
+    assert dict(record.extra) == ({"future": 1} if newer_key else {})
+
+
+@pytest.mark.parametrize(
+    ("claim", "shown"),
+    [(MAX_CAPACITY + 1, str(MAX_CAPACITY + 1)), (2**64, str(2**64)), (10**400, "about 10**400")],
+    ids=["bound+1", "2**64", "10**400"],
+)
+@pytest.mark.parametrize("newer_key", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("name", BOUNDED_FIELDS)
+def test_a_capacity_over_its_bound_is_refused_naming_field_value_and_bound(
+    name: str, newer_key: bool, claim: int, shown: str
+) -> None:
+    value = megatron_value(**{name: claim}) | ({"future": 1} if newer_key else {})
+    assert_decode_error(
+        json.dumps(value).encode(),
+        f"^capabilities {name} is {re.escape(shown)}, over the bound of 2\\*\\*40 "
+        f"\\({MAX_CAPACITY}\\) no real engine exceeds$",
+    )
+
+
+def test_the_token_id_and_unknown_capabilities_are_not_bounded() -> None:
+    value = megatron_value(bos_token_id=2**70, a_newer_capability=10**400)
+    record = decode_obj(value)
+    assert record.endpoint.capabilities.bos_token_id == 2**70
+    assert record.extra_capabilities == {"a_newer_capability": 10**400}
+
+
+def test_a_record_over_a_bound_is_not_written() -> None:
+    # Accepted in Python as Megatron accepts it, but readers would skip it.
+    caps = InferenceEngineCapabilities(**caps_kwargs(max_num_seqs=MAX_CAPACITY + 1))
+    record = make_record(endpoint=InferenceEngineEndpoint(ADDRESS, caps))
+    with pytest.raises(
+        InvalidRecordError,
+        match=f"^record for 'engine-1': capabilities max_num_seqs is {MAX_CAPACITY + 1}, over",
+    ):
+        encode(record)
 
 
 # --- Decoding Megatron's own values -------------------------------------------------------
@@ -492,7 +571,8 @@ def test_json_value_that_is_not_an_object(value: bytes, kind: str) -> None:
 
 
 def test_deeply_nested_json_is_a_decode_error() -> None:
-    assert_decode_error(b"[" * 100_000, "not JSON")
+    # As deep as a value under the size limit goes (a larger one is refused unread).
+    assert_decode_error(b"[" * MAX_VALUE_BYTES, "not JSON")
 
 
 REQUIRED_CAPABILITY_KEYS = MEGATRON_FIELDS[:7]

@@ -209,6 +209,55 @@ def test_malformed_values_are_skipped_counted_and_never_break_the_table(store: S
         recorder.check_order()
 
 
+def test_a_record_over_the_size_limit_or_its_bounds_is_skipped_on_real_etcd(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 43 item 3: values put by hand with the raw client, as a buggy or hostile writer
+    would. A 1 MB record and one advertising 10**400 KV blocks are skipped like malformed
+    ones (one WARNING each, counted); a good record and a newer writer's are listed."""
+    k = settings.keyspace.key
+    huge = json.loads(_value(1, "huge"))
+    huge["padding"] = "x" * 1_000_000  # a valid record, but 1 MB
+    liar = json.loads(_value(2, "liar"))
+    liar["capabilities"]["total_kv_blocks"] = 10**400
+    future = json.loads(_value(3, "future"))
+    future["capabilities"]["a_newer_capability"] = 2**70  # unknown: kept, never bounded
+    caplog.set_level(logging.WARNING, logger="discovery")
+    client = _raw(settings)
+    try:
+        client.put(k("huge"), json.dumps(huge))
+        client.put(k("liar"), json.dumps(liar))
+        client.put(k("good"), _value(4, "good"))
+        client.put(k("future"), json.dumps(future))
+        with EndpointWatcher(settings) as watcher, RoutingTable(watcher) as table:
+            table.wait_until(lambda snap: {"good", "future"} <= set(snap), timeout=10)
+            assert set(table.snapshot()) == {"good", "future"}
+            assert table.snapshot()["future"].extra_capabilities == {"a_newer_capability": 2**70}
+            assert watcher.health().skipped == 2
+            # Through the watch: a listed engine whose record starts to lie is removed.
+            lying = json.loads(_value(4, "good"))
+            lying["capabilities"]["context_length"] = 2**41
+            client.put(k("good"), json.dumps(lying))
+            table.wait_until(lambda snap: "good" not in snap, timeout=10)
+            assert watcher.health().skipped == 3
+        listing = list_engines(settings)
+    finally:
+        client.close()
+    assert [e.engine_id for e in listing.engines] == ["future"]
+    reasons = {error.key.rsplit("/", 1)[1]: error.reason for error in listing.skipped}
+    assert reasons["huge"].endswith("bytes, over the 16384-byte limit of a record")
+    assert int(reasons["huge"].split()[0]) > 1_000_000
+    assert reasons["liar"] == (
+        "capabilities total_kv_blocks is about 10**400, over the bound of 2**40 "
+        "(1099511627776) no real engine exceeds"
+    )
+    assert reasons["good"].startswith(f"capabilities context_length is {2**41}, over")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    skipped = [m for m in warnings if m.startswith("skipping malformed value")]
+    assert len(skipped) == 3, warnings  # one each, from the watcher
+    assert all(len(m) < 500 for m in skipped)  # the 1 MB value is not in the log
+
+
 def test_label_selector(store: Store) -> None:
     client = store.port
     k = store.settings.keyspace.key

@@ -27,6 +27,7 @@ from discovery._records.endpoint import _FIELD_NAMES as CAPABILITY_FIELDS
 from discovery._records.endpoint import (
     InferenceEngineCapabilities,
     InferenceEngineEndpoint,
+    check_bounds,
     read_policy,
 )
 from discovery._records.record import (
@@ -50,7 +51,8 @@ __all__ = [
 DEFAULT_ROOT = "/inference/v1"
 DEFAULT_NAMESPACE = "default"
 MAX_VALUE_BYTES = 16 * 1024
-"""Largest encoded value we write; a full record with a dozen labels is under 1 KiB."""
+"""Largest encoded value we write, and read: a larger one is refused before it is parsed.
+A full record with a dozen labels is under 1 KiB."""
 
 _SHARED = 4096
 """How many distinct capability records (and label sets) decoding shares an instance of."""
@@ -128,6 +130,10 @@ def encode(record: EngineRecord) -> bytes:
             data = _encoder.encode(value)
     except (TypeError, ValueError) as exc:  # an extra key's value given in Python, say
         raise InvalidRecordError(f"record for {record.engine_id!r} is not JSON: {exc}") from None
+    try:
+        check_bounds(record.endpoint.capabilities)  # readers would skip it
+    except ValueError as exc:
+        raise InvalidRecordError(f"record for {record.engine_id!r}: {exc}") from None
     if len(data) > MAX_VALUE_BYTES:
         raise InvalidRecordError(
             f"encoded record for {record.engine_id!r} is {len(data)} bytes, over the "
@@ -189,7 +195,9 @@ def _capabilities_of(raw: bytes) -> InferenceEngineCapabilities:
     wire: Any = _capabilities_decoder.decode(raw)  # types; the dataclass checks the ranges
     policy = read_policy(wire.prefix_caching_coordinator_policy)  # an unknown one is kept
     values = msgspec.structs.replace(wire, prefix_caching_coordinator_policy=policy)
-    return InferenceEngineCapabilities(*msgspec.structs.astuple(values))
+    capabilities = InferenceEngineCapabilities(*msgspec.structs.astuple(values))
+    check_bounds(capabilities)
+    return capabilities
 
 
 def _shared(cache: dict[bytes, Any], build: Callable[[bytes], Any], raw: msgspec.Raw) -> Any:
@@ -229,8 +237,14 @@ def decode(key: str, value: bytes, engine_id: str) -> EngineRecord:
     distinct capability record and label set, which engines then share. Any value msgspec
     refuses (a key this version does not know included) takes the exact path (``json.loads``
     and Megatron's ``from_dict``), which accepts what Megatron accepts, keeps unknown keys
-    and names any problem: the hot path never decides that a value is bad.
+    and names any problem: the hot path never decides that a value is bad. A value over
+    MAX_VALUE_BYTES is refused unread, and capacities over their bound (``MAX_CAPACITY``)
+    on either path.
     """
+    if len(value) > MAX_VALUE_BYTES:
+        raise RecordDecodeError(
+            key, f"{len(value)} bytes, over the {MAX_VALUE_BYTES}-byte limit of a record"
+        )
     try:
         if not value.isascii():  # ASCII, the usual value, is UTF-8 as it stands
             value.decode("utf-8")  # msgspec does not check UTF-8 in the fields it skips
@@ -279,6 +293,10 @@ def _exact_record(key: str, obj: Any, engine_id: str) -> EngineRecord:
     except KeyError as exc:
         raise RecordDecodeError(key, f"missing field {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
+        raise RecordDecodeError(key, str(exc)) from exc
+    try:
+        check_bounds(endpoint.capabilities)
+    except ValueError as exc:
         raise RecordDecodeError(key, str(exc)) from exc
     stored_id = obj.get("engine_id", engine_id)
     if stored_id != engine_id:

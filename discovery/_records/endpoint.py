@@ -78,6 +78,14 @@ _POSITIVE_FIELDS = (
 )
 _BOS_ATTRIBUTES = ("bos", "bos_token_id", "eod")
 
+MAX_CAPACITY = 2**40
+"""The most a record may claim of each capacity below: about 10**12 tokens, KV blocks,
+sequences or ranks, beyond any real engine. Megatron's constructor (and ours) has no upper
+bound; the codec refuses a stored value over it, on read and on write, so that a record that
+lies (a buggy or hostile writer's) is skipped like a malformed one instead of taking the
+traffic of every router that believes it."""
+_BOUNDED_FIELDS = (*_POSITIVE_FIELDS, "total_kv_blocks")
+
 
 def _require_mapping(value: object, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
@@ -220,8 +228,10 @@ def capabilities_schema() -> dict[str, Any]:
             }
         elif field.name in _INTEGER_FIELDS:
             least = 1 if field.name in _POSITIVE_FIELDS else _LEAST.get(field.name)
-            properties[field.name] = {"type": "integer"} | (
-                {} if least is None else {"minimum": least}
+            properties[field.name] = (
+                {"type": "integer"}
+                | ({} if least is None else {"minimum": least})
+                | ({"maximum": MAX_CAPACITY} if field.name in _BOUNDED_FIELDS else {})
             )
         else:
             properties[field.name] = {"type": "boolean"}
@@ -230,6 +240,18 @@ def capabilities_schema() -> dict[str, Any]:
 
 
 _LEAST = {"total_kv_blocks": 0}  # bos_token_id: no range check
+
+
+def check_bounds(capabilities: InferenceEngineCapabilities) -> None:
+    """Raise ValueError naming the first capacity over ``MAX_CAPACITY``, its value and the bound."""
+    for name in _BOUNDED_FIELDS:
+        value = getattr(capabilities, name)
+        if value > MAX_CAPACITY:
+            shown = value if value < 10**30 else f"about 10**{len(str(value)) - 1}"
+            raise ValueError(
+                f"capabilities {name} is {shown}, over the bound of 2**40 "
+                f"({MAX_CAPACITY}) no real engine exceeds"
+            )
 
 
 def read_policy(policy: object) -> PrefixCachingCoordinatorPolicy | str | None:
