@@ -290,13 +290,10 @@ def _exact_record(key: str, obj: Any, engine_id: str) -> EngineRecord:
         raise RecordDecodeError(key, f"a JSON {type(obj).__name__}, not an object")
     try:
         endpoint = InferenceEngineEndpoint.from_dict(obj)
+        check_bounds(endpoint.capabilities)
     except KeyError as exc:
         raise RecordDecodeError(key, f"missing field {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
-        raise RecordDecodeError(key, str(exc)) from exc
-    try:
-        check_bounds(endpoint.capabilities)
-    except ValueError as exc:
         raise RecordDecodeError(key, str(exc)) from exc
     stored_id = obj.get("engine_id", engine_id)
     if stored_id != engine_id:
