@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
@@ -34,6 +35,7 @@ from discovery import (
     register_engine,
     watch_table,
 )
+from discovery._state import blockhash
 from discovery._state.kvstate import pack_hashes
 
 from .conftest import Store
@@ -322,4 +324,31 @@ def test_an_image_request_pairs_by_load_and_never_by_a_cache(monkeypatch) -> Non
     pairs = [router.pick_pair(prompt, 1, images=True, **kwargs) for _ in range(4)]
     assert not any(pair.alone for pair in pairs)
     assert Counter(pair.prefill.engine_id for pair in pairs) == {"p0": 2, "p1": 2}
+    states.stop()
+
+
+def test_a_pair_pick_hashes_the_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two aggregated engines weighed for serving alone, then kv_aware's pick of one: the
+    # prompt's tokens are packed (and so hashed) once, not per engine and again per pick.
+    fleet = Fleet()
+    add(fleet, "p", "prefill", kv_cache_block_size=16)
+    add(fleet, "d", "decode", kv_cache_block_size=16)
+    add(fleet, "agg-a", "aggregated", relay=True, kv_cache_block_size=16)
+    add(fleet, "agg-b", "aggregated", relay=True, kv_cache_block_size=16)
+    states = EngineStates(fleet.table).start(connect=False)
+    router = Router(fleet.table, states=states, policy="kv_aware")
+    prompt = list(range(170))  # 10 complete blocks of 16
+    states.feed("agg-b", ["hello", 1, 0, pack_hashes(block_hashes(prompt, 16)), {}])
+    packed: list[int] = []
+    pack = blockhash.pack_tokens
+
+    def counting(tokens: Sequence[int], start: int, stop: int) -> bytes:
+        packed.append(stop - start)
+        return pack(tokens, start, stop)
+
+    monkeypatch.setattr(blockhash, "pack_tokens", counting)
+    pair = router.pick_pair(prompt, 1, allow_aggregated=True, alone_below=0, alone_share=0.5)
+    assert pair.alone and pair.decode.engine_id == "agg-b"
+    assert sum(packed) == 160, packed
+    pair.decode.release()
     states.stop()

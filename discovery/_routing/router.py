@@ -1113,19 +1113,23 @@ class Router:
         if share is None or states is None or ask.images:
             return None  # an image request is cached nowhere
         best, held = None, 0.0
+        # The prompt hashed once per block size, for every engine here and for the pick.
+        known = dict(ask.block_hashes or {})
         for engine in engines:
             blocks = length // engine.block_size
             if not blocks or not engine.record.state_address:
                 continue
-            hashes = (ask.block_hashes or {}).get(engine.block_size) or block_hashes(
-                ask.prompt_tokens, engine.block_size
-            )
+            hashes = known.get(engine.block_size)
+            if hashes is None:
+                hashes = known[engine.block_size] = block_hashes(
+                    ask.prompt_tokens, engine.block_size
+                )
             cached = states.cached_prefix(engine.engine_id, hashes) or 0
             if cached / blocks > held:
                 best, held = engine, cached / blocks
         if best is None or held < share:
             return None
-        return alone._replace(only=frozenset({best.engine_id}))
+        return alone._replace(only=frozenset({best.engine_id}), block_hashes=known)
 
     def explain(
         self,
