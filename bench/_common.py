@@ -68,6 +68,10 @@ PAGE_ORDER = (
     "failures",
     "chaos",
 )
+# Set (to "1") by run_all.py for a benchmark's second run, beside one CPU-burning process
+# (``burners(1)``): its section and figures are recorded as <name>.busy, beside the idle ones.
+BUSY_ENV = "DISCOVERY_BENCH_BUSY"
+BUSY = ".busy"
 PLOT = BENCH / "latency.png"  # drawn by run_all.py from these benchmarks' bench/out files:
 PLOTTED = ("latency", "detection", "churn", "scale")
 OUT = BENCH / "out"
@@ -151,11 +155,30 @@ class Target:
         return "met" if self.ok else "MISSED"
 
     def line(self) -> str:
-        return f"target {self.name}: {self.value:.3g} {self.unit} {self.bound}: {self.verdict}"
+        return f"target {self.name}: {self.measured} {self.unit} {self.bound}: {self.verdict}"
 
     @property
     def bound(self) -> str:
-        return f"{'>=' if self.at_least else '<='} {self.limit:g}"
+        return f"{'>=' if self.at_least else '<='} {_figure(self.limit, self.unit)}"
+
+    @property
+    def measured(self) -> str:
+        """The value with enough digits that it reads apart from the limit ("1.48" vs "1.2")."""
+        text = _figure(self.value, self.unit)
+        digits = 3
+        # Rounding must not make a miss look like the limit ("1 x <= 1 x: MISSED").
+        while self.value != self.limit and text == _figure(self.limit, self.unit) and digits < 9:
+            digits += 1
+            text = _figure(self.value, self.unit, digits)
+        return text
+
+
+def _figure(value: float, unit: str, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant figures (whole numbers as they are, never 1e+03);
+    a ratio ("x") always with 2 decimals."""
+    if unit == "x":
+        return f"{value:.{max(2, digits - 1)}f}"
+    return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:.0f}"
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -174,7 +197,11 @@ def record_results(
     bench/history/<name>.md. ``targets`` replace bench/results/<name>.targets.json.
     """
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = [f"## bench_{name}.py, {stamp}", "", machine_line(), ""]
+    heading = f"## bench_{name}.py, {stamp}"
+    if busy():
+        heading = f"## bench_{name}.py with one CPU-burning process, {stamp}"
+        name += BUSY
+    section = [heading, "", machine_line(), ""]
     if about:
         section += [about.strip(), ""]
     section += ["```", body.rstrip(), LOAD + load_average(), "```"]
@@ -191,6 +218,11 @@ def record_results(
     figures = json.dumps([asdict(t) for t in targets], indent=1)
     (SECTIONS / f"{name}.targets.json").write_text(figures + "\n", encoding="utf-8")
     render_page()
+
+
+def busy() -> bool:
+    """Whether this run is the busy one (run_all.py runs a burner beside it)."""
+    return os.environ.get(BUSY_ENV) == "1"
 
 
 def recorded_targets(name: str) -> list[Target]:
@@ -214,6 +246,7 @@ def _page_section(name: str, section: str) -> list[str]:
     footer.append(f"[whole section](results/{name}.md)")
     if (HISTORY / f"{name}.md").exists():
         footer.append(f"[earlier runs](history/{name}.md)")
+    # Plots and notes are the idle run's (a busy run writes bench/out/<name>.busy.json).
     if name in PLOTTED and PLOT.exists():
         footer.append(f"[plot]({PLOT.name})")
     own = BENCH / f"{name}.png"  # a benchmark's own plot (latency.png is run_all.py's)
@@ -229,10 +262,12 @@ def _page_section(name: str, section: str) -> list[str]:
 
 def render_page() -> None:
     """Rebuild RESULTS.md from bench/results/ (sections, targets) and bench/notes/."""
-    names = sorted(
-        (path.stem for path in SECTIONS.glob("*.md")),
-        key=lambda name: (PAGE_ORDER.index(name) if name in PAGE_ORDER else len(PAGE_ORDER), name),
-    )
+
+    def place(name: str) -> tuple[int, str]:  # a busy section right after its idle one
+        base = name.removesuffix(BUSY)
+        return (PAGE_ORDER.index(base) if base in PAGE_ORDER else len(PAGE_ORDER), name)
+
+    names = sorted((path.stem for path in SECTIONS.glob("*.md")), key=place)
     sections = {name: (SECTIONS / f"{name}.md").read_text(encoding="utf-8") for name in names}
     machines: dict[str, list[str]] = {}
     for name, section in sections.items():
@@ -248,7 +283,9 @@ def render_page() -> None:
         "are in [history/](history/), never here. Generated, do not edit. To rerun everything",
         "and rewrite it: `.venv/bin/python bench/run_all.py`. A `bench/bench_<name>.py` run alone",
         "replaces its own section; `bench/run_all.py --page-only` only rebuilds the page (after",
-        "editing a note in [notes/](notes/), say).",
+        "editing a note in [notes/](notes/), say). run_all.py runs each benchmark twice: idle,",
+        "then beside one CPU-burning process (rows marked *busy*; bench_megatron.py and",
+        "bench_serve.py take both phases themselves, their targets say which).",
         "",
         *(f"Machine: {machine} ({', '.join(used)})." for machine, used in machines.items()),
         "",
@@ -260,10 +297,10 @@ def render_page() -> None:
     for name in names:
         for i, t in enumerate(recorded_targets(name)):
             cells = (
-                f"[{name}](results/{name}.md)" if i == 0 else "",
+                f"[{name.replace(BUSY, ', *busy*')}](results/{name}.md)" if i == 0 else "",
                 t.name,
                 f"{t.bound} {t.unit}".strip(),
-                f"{t.value:.3g} {t.unit}".strip(),
+                f"{t.measured} {t.unit}".strip(),
                 t.verdict if t.ok else f"**{t.verdict}**",
             )
             page.append(f"| {' | '.join(cells)} |")
@@ -275,7 +312,7 @@ def render_page() -> None:
 
 def write_json(name: str, data: dict) -> Path:
     OUT.mkdir(exist_ok=True)
-    path = OUT / f"{name}.json"
+    path = OUT / f"{name}{BUSY if busy() else ''}.json"
     payload = {**data, "targets": [asdict(t) for t in data.get("targets", [])]}
     path.write_text(json.dumps(payload, default=float))
     return path

@@ -1,8 +1,11 @@
 """Run every benchmark (issues 7 and 16), then plot, summarise and rewrite RESULTS.md.
 
 Run: ``.venv/bin/python bench/run_all.py`` (about 50 minutes on 2 cores, 9 of them the
-failure catalogue, 20 bench_startup.py's fresh processes). Each benchmark runs as its own
-process (``bench/bench_<name>.py``), prints its table and records the run: its section
+failure catalogue, 20 bench_startup.py's fresh processes, doubled by the busy runs). Each
+benchmark runs as its own process (``bench/bench_<name>.py``), twice (issue 44): idle, then
+beside one CPU-burning process, recorded as <name>.busy (``--idle-only``: the first only;
+bench_megatron.py and bench_serve.py take both phases themselves). Each prints its table and
+records the run: its section
 replaces bench/results/<name>.md (the previous one moves to bench/history/<name>.md) and
 its targets bench/results/<name>.targets.json. This script then draws bench/latency.png (latency
 distributions, ours vs raw; detection times; churn lag; new-watcher times; only if one of
@@ -10,14 +13,15 @@ those ran), prints every target of the run, met or missed, and rewrites bench/RE
 from the latest section of every benchmark. ``--quick`` is a smoke run with small counts
 that records nothing (its plot goes to bench/out/); ``--only latency,codec`` runs some;
 ``--plot-only`` redraws from bench/out/*.json; ``--page-only`` only rewrites RESULTS.md
-(after editing bench/notes/). bench_router.py and bench_routing_quality.py run alone (no
-etcd; minutes of CPU each). bench_failures.py also rewrites the failure tables
+(after editing bench/notes/). bench_router.py and bench_routing_quality.py start no etcd
+(minutes of CPU each). bench_failures.py also rewrites the failure tables
 (docs/failures.md, README).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -25,50 +29,64 @@ from pathlib import Path
 
 from _common import (
     BENCH,
+    BUSY,
+    BUSY_ENV,
     OUT,
     PLOT,
     PLOTTED,
     Target,
+    burners,
     percentile,
     read_json,
     render_page,
     table_text,
 )
 
+# Every bench/bench_<name>.py (tests/test_bench.py checks): its arguments for a full run, and
+# for --quick (which records nothing: --no-results, or --quick where that says so).
 BENCHMARKS = {
-    "latency": ([], ["--count", "100"]),
-    "detection": ([], ["--kills", "4", "--terms", "4", "--batch", "4"]),
-    "scale": ([], ["--sizes", "1000,3000", "--window", "10", "--watchers", "2"]),
-    "churn": ([], ["--seconds", "5"]),
-    "codec": ([], ["--records", "2000"]),
-    "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1"]),
+    "latency": ([], ["--count", "100", "--no-results"]),
+    "detection": ([], ["--kills", "4", "--terms", "4", "--batch", "4", "--no-results"]),
+    "scale": ([], ["--sizes", "1000,3000", "--window", "10", "--watchers", "2", "--no-results"]),
+    "churn": ([], ["--seconds", "5", "--no-results"]),
+    "codec": ([], ["--records", "2000", "--no-results"]),
+    "sync": (["--profile"], ["--sizes", "2000", "--rounds", "1", "--no-results"]),
     "startup": (
         ["--profile"],
-        ["--sizes", "1000", "--rounds", "1", "--windows", "1", "--seconds", "1"],
+        ["--sizes", "1000", "--rounds", "1", "--windows", "1", "--seconds", "1", "--no-results"],
     ),
-    "fanout": ([], ["--watchers", "10,50", "--events", "40"]),
-    "sessions": ([], ["--count", "300", "--sizes", "1,100"]),
-    "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8"]),
-    "pairs": ([], ["--quick"]),
-    "overload": ([], ["--seconds", "15"]),
-    "failures": ([], ["--runs", "1", "--only", "launch-death,register-death,drain"]),
-    "fleet": ([], []),
-    "megatron": ([], ["--rounds", "1"]),
-    "serve": ([], ["--rounds", "1", "--requests", "200"]),
+    "fanout": ([], ["--watchers", "10,50", "--events", "40", "--no-results"]),
+    "sessions": ([], ["--count", "300", "--sizes", "1,100", "--no-results"]),
+    "relay": ([], ["--engines", "10", "--events", "20", "--hashes", "8", "--no-results"]),
+    "pairs": ([], ["--quick", "--no-results"]),
+    "overload": ([], ["--seconds", "15", "--no-results"]),
+    "failures": (
+        [],
+        ["--runs", "1", "--only", "launch-death,register-death,drain", "--no-results"],
+    ),
+    "fleet": ([], ["--no-results"]),
+    "megatron": ([], ["--rounds", "1", "--no-results"]),
+    "serve": ([], ["--rounds", "1", "--requests", "200", "--no-results"]),
+    "router": ([], ["--quick"]),
+    "routing_quality": ([], ["--quick"]),
 }
+# These take each figure idle and beside a burner themselves (their targets name the phase).
+BUSY_ITSELF = ("megatron", "serve")
 
 
-def run(names: list[str], quick: bool) -> dict[str, float]:
+def run(names: list[str], quick: bool, idle_only: bool) -> dict[str, float]:
     took = {}
     for name in names:
         full, small = BENCHMARKS[name]
         command = [sys.executable, str(BENCH / f"bench_{name}.py"), *(small if quick else full)]
-        if quick:
-            command.append("--no-results")
-        print(f"\n=== {' '.join(command[1:])}", flush=True)
-        t0 = time.monotonic()
-        subprocess.run(command, check=True)
-        took[name] = time.monotonic() - t0
+        busy = not (quick or idle_only or name in BUSY_ITSELF)
+        for phase in ("idle", "busy") if busy else ("idle",):
+            env = {**os.environ, BUSY_ENV: "1"} if phase == "busy" else None
+            print(f"\n=== {' '.join(command[1:])} ({phase})", flush=True)
+            t0 = time.monotonic()
+            with burners(1 if phase == "busy" else 0):
+                subprocess.run(command, check=True, env=env)
+            took[name + ("" if phase == "idle" else BUSY)] = time.monotonic() - t0
     return took
 
 
@@ -166,14 +184,14 @@ def plot(path: Path) -> None:
 
 def summary(names: list[str]) -> str:
     rows = []
-    for name in names:
+    for name in (n + phase for n in names for phase in ("", BUSY)):
         data = read_json(name)
         for t in (data or {}).get("targets", []):
             target = Target(**t)
             rows.append(
                 (
-                    target.name,
-                    f"{target.value:.3g} {target.unit}",
+                    target.name + (", busy" if name.endswith(BUSY) else ""),
+                    f"{target.measured} {target.unit}",
                     target.bound,
                     target.verdict,
                 )
@@ -187,10 +205,11 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated subset of " + ",".join(BENCHMARKS))
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--page-only", action="store_true", help="only rewrite RESULTS.md")
+    parser.add_argument("--idle-only", action="store_true", help="no run beside a burner")
     args = parser.parse_args()
     if not args.page_only:
         names = args.only.split(",") if args.only else list(BENCHMARKS)
-        took = {} if args.plot_only else run(names, args.quick)
+        took = {} if args.plot_only else run(names, args.quick, args.idle_only)
         if set(names) & set(PLOTTED):  # its panels: a run of none of them leaves it alone
             OUT.mkdir(exist_ok=True)
             plot(OUT / PLOT.name if args.quick else PLOT)
