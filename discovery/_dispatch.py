@@ -152,6 +152,18 @@ class Dispatcher:
                 log.exception("%s: handler %r failed", self._name, fn)
 
 
+def run_inline(fn: Callable[..., object], *args: object) -> None:
+    """Call ``fn(*args)`` on this thread, logging (never raising) what it raises.
+
+    For a listener that asked to run on the watch thread itself: its failure must not end
+    the watch.
+    """
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("inline listener %r failed", fn)
+
+
 F = TypeVar("F", bound=Callable[..., object])
 
 

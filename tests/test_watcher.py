@@ -604,6 +604,43 @@ def test_a_slow_listener_never_stalls_the_table(store: Store) -> None:
         assert seen == [[f"e{i}"] for i in range(5)]
 
 
+def test_an_inline_listener_runs_on_the_watch_thread_before_the_others(store: Store) -> None:
+    """``inline``: no hand-off (issue 44 item 4). The inline listener runs where the batch is
+    applied, before the dispatched ones; one that raises is logged and the watch goes on."""
+    order: list[tuple[str, bool, list[str]]] = []
+    leading = lambda: table.store.dispatcher.leading()  # noqa: E731 - on the watch loop's thread
+
+    def inline(events, _snapshot) -> None:
+        order.append(("inline", leading(), [e.engine_id for e in events]))
+        if events[0].engine_id == "e0":
+            raise RuntimeError("a failing inline listener")
+
+    def later(events, _snapshot) -> None:
+        order.append(("later", leading(), [e.engine_id for e in events]))
+
+    callbacks: list[tuple[str, bool]] = []
+    with watch_table(**store.using()) as table:
+        table.subscribe(later)
+        table.subscribe(inline, inline=True)
+        assert table.watcher is not None
+        table.watcher.subscribe(
+            lambda event: callbacks.append((event.engine_id, leading())),
+            inline=True,
+        )
+        for i in range(2):
+            store.port.replace(store.settings.keyspace.key(f"e{i}"), _value(i), 0)
+        wait_for(lambda: len(order) == 4, message="both listeners, both batches")
+        inline_seen = [entry for entry in order if entry[0] == "inline"]
+        assert [ids for _, _, ids in inline_seen] == [["e0"], ["e1"]]  # the raise ended nothing
+        for index in range(2):  # each batch reached the inline listener first
+            assert order.index(inline_seen[index]) < order.index(
+                next(e for e in order if e[0] == "later" and e[2] == inline_seen[index][2])
+            )
+        assert all(on_loop for _, on_loop, _ in inline_seen)
+        assert not any(on_loop for name, on_loop, _ in order if name == "later")
+        assert callbacks == [("e0", True), ("e1", True)]
+
+
 def _etcd_revision(endpoints: list[str]) -> int:
     """etcd's current revision, read with etcdctl (not with the package under test)."""
     result = etcdctl(endpoints, "get", "/", "--keys-only", "-w", "json")

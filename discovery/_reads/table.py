@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from discovery._dispatch import Listeners
+from discovery._dispatch import Listeners, run_inline
 from discovery._etcd.port import EtcdPort
 from discovery._metrics import MetricsHooks
 from discovery._reads.store import Batch, EngineStore, RoutingSnapshot
@@ -48,6 +48,7 @@ class RoutingTable:
             self.store = watcher.store
         self._owns_watcher = own_watcher and self.watcher is not None
         self._listeners: Listeners[TableListener] = Listeners()
+        self._inline: Listeners[TableListener] = Listeners()
         self._remove_sink: Callable[[], None] | None = None
         if metrics is not None:
             metrics.observe_table(self)
@@ -82,24 +83,33 @@ class RoutingTable:
 
     def deliver(self, batch: Batch) -> None:
         """Hand a batch the store just applied to the listeners (on the store's thread)."""
-        if self._listeners:
+        if self._inline or self._listeners:
             snapshot = self.store.snapshot()
+            for listener in self._inline:
+                run_inline(listener, batch, snapshot)
             for listener in self._listeners:
                 self.store.dispatcher.submit(listener, batch, snapshot)
 
     def wants(self) -> bool:
         """Whether ``deliver`` would use a batch now: with listeners, or when overridden."""
-        return bool(self._listeners) or type(self).deliver is not RoutingTable.deliver
+        return (
+            bool(self._listeners)
+            or bool(self._inline)
+            or type(self).deliver is not RoutingTable.deliver
+        )
 
     def close(self) -> None:
         """The store closed: nothing more to deliver."""
 
-    def subscribe(self, listener: TableListener) -> Callable[[], None]:
+    def subscribe(self, listener: TableListener, *, inline: bool = False) -> Callable[[], None]:
         """Call ``listener(events, snapshot)`` after each applied batch; returns unsubscribe.
 
-        Listeners run in order on a background thread, outside the table's lock.
+        Listeners run in order on a background thread, outside the table's lock. With
+        ``inline``, the listener runs on the watch thread itself as the batch is applied,
+        before the others: no hand-off, but the watch waits for it, so it must be quick and
+        must not block (update an index, set an event); what it raises is logged.
         """
-        return self._listeners.add(listener)
+        return (self._inline if inline else self._listeners).add(listener)
 
     # -- reads -------------------------------------------------------------------------
 

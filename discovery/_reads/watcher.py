@@ -207,14 +207,19 @@ class EndpointWatcher:
 
     # -- consumers ---------------------------------------------------------------------
 
-    def subscribe(self, callback: Callable[[EndpointEvent], None]) -> Callable[[], None]:
+    def subscribe(
+        self, callback: Callable[[EndpointEvent], None], *, inline: bool = False
+    ) -> Callable[[], None]:
         """Call ``callback(event)`` for the current engines, then for every change.
 
         Callbacks run in order, one at a time, on a background thread (never the one
         reading the stream), outside any lock; a slow or failing callback never stalls the
-        watch. Returns an unsubscribe function.
+        watch. With ``inline``, the callback runs on the watch thread itself as each batch
+        is applied (no hand-off; the watch waits for it, so it must be quick and must not
+        block; what it raises is logged). Returns an unsubscribe function.
         """
-        return self.store.add_sink(_CallbackSink(callback, self.store.dispatcher))
+        dispatcher = None if inline else self.store.dispatcher
+        return self.store.add_sink(_CallbackSink(callback, dispatcher))
 
     def __iter__(self) -> Iterator[EndpointEvent]:
         """Block for events; ends when the watcher stops."""
@@ -407,12 +412,19 @@ def list_engines(
 
 
 class _CallbackSink:
-    def __init__(self, callback: Callable[[EndpointEvent], None], dispatcher: Dispatcher) -> None:
+    """A subscriber's callback, on the dispatcher's thread, or inline when it has none."""
+
+    def __init__(
+        self, callback: Callable[[EndpointEvent], None], dispatcher: Dispatcher | None
+    ) -> None:
         self._callback = callback
         self._dispatcher = dispatcher
 
     def deliver(self, batch: Batch) -> None:
-        self._dispatcher.submit(self._run, batch)
+        if self._dispatcher is None:
+            self._run(batch)
+        else:
+            self._dispatcher.submit(self._run, batch)
 
     def _run(self, batch: Batch) -> None:
         for event in batch:
