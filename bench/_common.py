@@ -60,6 +60,7 @@ PAGE_ORDER = (
     "fanout",
     "sessions",
     "router",
+    "hashing",
     "routing_quality",
     "pairs",
     "relay",

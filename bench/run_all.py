@@ -68,10 +68,11 @@ BENCHMARKS = {
     "megatron": ([], ["--rounds", "1", "--no-results"]),
     "serve": ([], ["--rounds", "1", "--requests", "200", "--no-results"]),
     "router": ([], ["--quick"]),
+    "hashing": ([], ["--rounds", "200", "--no-results"]),
     "routing_quality": ([], ["--quick"]),
 }
 # These take each figure idle and beside a burner themselves (their targets name the phase).
-BUSY_ITSELF = ("megatron", "serve")
+BUSY_ITSELF = ("megatron", "serve", "hashing")
 
 
 def run(names: list[str], quick: bool, idle_only: bool) -> dict[str, float]:

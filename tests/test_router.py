@@ -296,6 +296,24 @@ def test_block_hashes_are_chained_and_pinned() -> None:
     assert _first_block_key(list(range(4)), 4) == 17669206415998143099
 
 
+def test_tokens_in_an_int64_buffer_are_hashed_as_they_are() -> None:
+    """An ``array('q')`` (or NumPy int64) prompt is hashed without a conversion per token
+    (issue 44 item 3), to the same values; another buffer is converted as a list is."""
+    from array import array  # noqa: PLC0415
+
+    prompt = list(range(120_000, 120_000 + 64))
+    assert block_hashes(array("q", prompt), 16) == block_hashes(prompt, 16)
+    assert block_hashes(array("i", prompt), 16) == block_hashes(prompt, 16)
+    assert block_hashes(array("q", prompt), 16, limit=1) == block_hashes(prompt, 16)[:1]
+    with pytest.raises(ValueError, match="64-bit integers"):
+        block_hashes([2**63], 1)
+    fleet, states = kv_fleet(2)
+    hello(states, "e1", block_hashes(prompt, 16)[:3])
+    router = Router(fleet.table, policy="kv_aware", states=states)
+    with router.pick(array("q", prompt), 1) as handle:
+        assert (handle.engine_id, handle.matched_tokens) == ("e1", 48)
+
+
 def test_rendezvous_remaps_only_the_removed_engines_share() -> None:
     engines, prompts = 10, 12_000
     fleet = Fleet()

@@ -11,8 +11,10 @@ whole prefix up to its block. The engine reports these values in its ``"stored"`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 
 __all__ = ["LazyBlockHashes", "block_hashes", "pack_tokens"]
@@ -21,14 +23,33 @@ _MOD = 2**63 - 1
 _ROOT = bytes(32)
 
 
+_NATIVE_INT64 = frozenset({"q", "l", "<q", "<l", "=q", "=l"} if sys.byteorder == "little" else ())
+"""Buffer formats whose bytes are already Megatron's (8-byte little-endian signed ints)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")  # compiled once per run length: prompts repeat them
+
+
 def pack_tokens(tokens: Sequence[int], start: int, stop: int) -> bytes:
     """``tokens[start:stop]`` as little-endian int64 bytes, in one C call.
 
-    ValueError naming the problem for an id that is no 64-bit integer.
+    Tokens held in a buffer of int64 (``array('q')``, a NumPy int64 array) are taken as
+    they are, with no conversion per token. ValueError naming the problem for an id that
+    is no 64-bit integer.
     """
+    if not isinstance(tokens, list | tuple):
+        try:
+            view = memoryview(tokens)  # type: ignore[arg-type]
+        except TypeError:
+            pass  # a sequence without a buffer: packed below
+        else:
+            if view.format in _NATIVE_INT64 and view.itemsize == 8 and view.ndim == 1:
+                return view[start:stop].tobytes()  # one copy in C (35 KB: ~2 us)
     try:
         # One struct.pack for the whole run: no Python loop per token or per block.
-        return struct.pack(f"<{stop - start}q", *tokens[start:stop])
+        return _packer(stop - start).pack(*tokens[start:stop])
     except struct.error as exc:
         raise ValueError(f"prompt token ids must be 64-bit integers: {exc}") from exc
 
