@@ -125,6 +125,7 @@ from discovery._routing.pairs import (
     Pairing,
     ids,
 )
+from discovery._routing.picker import NO_PICKER, Picker
 from discovery._routing.policies import (
     DEFAULT_INDEX_BLOCKS,
     DEFAULT_LOAD_FACTOR,
@@ -169,6 +170,7 @@ _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
 _NO_IDS: frozenset[str] = frozenset()
+_EVERYTHING = selector_of(None)
 _PINNED = "pinned"  # the policy a pinned pick is credited to
 ALONE = frozenset({EngineRole.AGGREGATED, EngineRole.PREFILL})
 """The roles that serve a request alone (a Megatron decode engine cannot compute a prompt)."""
@@ -583,7 +585,9 @@ class Router:
                 prefix_index_blocks=prefix_index_blocks,
             )
         self._table = table
+        self._store = table.store
         self._metrics = metrics or NO_METRICS
+        self._counting = metrics is not None  # else no metrics call per pick
         self._selector = selector_of(selector)
         self._statuses = frozenset(validate_status(status) for status in statuses)
         self._lock = threading.Lock()
@@ -594,6 +598,7 @@ class Router:
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
         self._pools: dict[tuple[object, ...], _Pool] = {}
+        self._picker = NO_PICKER  # rebuilt by _refresh_locked (see discovery._routing.picker)
         self._warned: set[object] = set()
         self._held = 0  # unreleased handles, over every engine
         self._losses = 0  # engines that stopped being good targets, counted
@@ -664,6 +669,50 @@ class Router:
         NoEngineAvailableError when no engine passes the filters, OverloadedError when none
         had room in time.
         """
+        if (
+            selector is None
+            and weight_version is None
+            and min_weight_version is None
+            and max_version_lag is None
+            and exclude is None
+            and wait is None
+            and session_key is None
+            and engine_id is None
+            and split is None
+            and not images
+            and not fallback
+            and priority == 0
+            and type(priority) is int
+            and type(max_tokens) is int
+            and max_tokens >= 0
+        ):  # no per-call option: the picker's, if it is current
+            if block_hashes is not None:
+                _check_block_hashes(block_hashes, len(prompt_tokens))
+            with self._lock:
+                picker = self._picker
+                handle = (
+                    self._choose_locked(
+                        picker.policy,
+                        picker.candidates,
+                        tuple.__new__(  # as _plain_ask: no Python-level __new__ per pick
+                            PickRequest,
+                            (prompt_tokens, max_tokens, _EVERYTHING, block_hashes, None),
+                        ),
+                        picker.admit,
+                        0,
+                    )
+                    if picker.snapshot is self._store._snapshot
+                    and not self._batches
+                    and not self._load_changes
+                    and len(prompt_tokens) + max_tokens <= picker.fits
+                    else None
+                )
+            if handle is not None:
+                if self._counting:
+                    self._metrics.picked(handle.policy)
+                if self._notices:  # rarely: no call per pick
+                    self._deliver_notices()
+                return handle
         ask, timeout = self._ask(
             prompt_tokens,
             max_tokens,
@@ -1399,6 +1448,7 @@ class Router:
         event: threading.Event | None = None,
         future: asyncio.Future[PickHandle] | None = None,
     ) -> Waiter[PickHandle]:
+        self._picker = NO_PICKER  # those waiting come first: no pick passes them by
         key = self._pool_key_locked(ask)
         started = time.monotonic()
         waiter = Waiter(ask, key, ask.priority, started, event=event, future=future)
@@ -1477,13 +1527,31 @@ class Router:
             PickRequest,
             (ask.prompt_tokens, ask.max_tokens, ask.selector, ask.block_hashes, ask.session),
         )
+        handle = self._choose_locked(
+            policy, candidates, request, ask.admit, ask.priority, started=started
+        )
+        if handle is not None and ask.group is not None:
+            handle.group = ask.group
+        return handle
+
+    def _choose_locked(
+        self,
+        policy: Policy,
+        candidates: tuple[Candidate, ...],
+        request: PickRequest,
+        admit: bool,
+        priority: int,
+        *,
+        started: float | None = None,
+    ) -> PickHandle | None:
+        """``policy``'s engine among ``candidates`` (one with room if ``admit``), held."""
         choice = policy.choose(candidates, request)
         engine = choice.candidate if isinstance(choice, Choice) else choice
         if policy is self._policy:  # the user's own: check what it answered
             _check_choice(policy, engine, candidates)
-        if ask.admit and not self._admission.has_room(engine, ask.priority):
+        if admit and not self._admission.has_room(engine, priority):
             has_room = self._admission.has_room
-            candidates = tuple(e for e in candidates if has_room(e, ask.priority))
+            candidates = tuple(e for e in candidates if has_room(e, priority))
             if not candidates:
                 return None
             choice = policy.choose(candidates, request)
@@ -1497,10 +1565,9 @@ class Router:
             name, matched = policy.name, 0
         engine._acquire()
         self._held += 1
-        waited = 0.0 if started is None else time.monotonic() - started
-        handle = PickHandle(self, engine, name, matched, waited)
-        handle.group = ask.group
-        return handle
+        if started is None:
+            return PickHandle(self, engine, name, matched)
+        return PickHandle(self, engine, name, matched, time.monotonic() - started)
 
     def _pinned_locked(
         self, engine: Candidate, ask: _Ask, started: float | None
@@ -1619,7 +1686,7 @@ class Router:
             return "evicted"
         outcome = self._fences.failed(engine_id, len(self._engines))
         if outcome == "fenced":
-            self._pools.clear()
+            self._clear_pools_locked()
             self._lose_locked(engine, "fenced: too many requests on it failed in a row")
         return outcome
 
@@ -1702,7 +1769,35 @@ class Router:
         if snapshot is not self._snapshot:
             self._sync_locked(snapshot)
         if self._fences.fenced and self._fences.expire():  # the first: no call per pick
-            self._pools.clear()
+            self._clear_pools_locked()
+        if self._picker.snapshot is not snapshot:
+            self._picker = self._picker_locked(snapshot)
+
+    def _picker_locked(self, snapshot: RoutingSnapshot) -> Picker:
+        """The picker of this state; NO_PICKER while something else decides picks."""
+        if (
+            self._fences.fenced
+            or self._protection.unconfirmed
+            or self._admission.waiters
+            or self._split is not None
+            or self._snapshot is not snapshot
+        ):
+            return NO_PICKER
+        try:
+            pool = self._pool_locked(_EVERYTHING, 0, 0, self._versions)
+        except NoEngineAvailableError:
+            return NO_PICKER  # the full path says why
+        return Picker(snapshot, pool.candidates, pool.policy, self._min_context, self._admit)
+
+    def _clear_pools_locked(self) -> None:
+        """The candidate sets changed (fences, engines): derive them again."""
+        self._pools.clear()
+        self._picker = NO_PICKER
+
+    def _resync_locked(self) -> None:
+        """Rebuild from the table at the next look, though its snapshot is the same."""
+        self._snapshot = None
+        self._picker = NO_PICKER
 
     def _take_batches_locked(self, snapshot: RoutingSnapshot) -> None:
         """Read the batches ``snapshot`` includes: removals, returns, statuses that lose."""
@@ -1716,7 +1811,7 @@ class Router:
                 if event.type is not EventType.REMOVED:
                     if self._protection.back(engine_id):
                         self._unhold_locked(engine_id)
-                        self._snapshot = None  # an ordinary engine again: rebuild
+                        self._resync_locked()  # an ordinary engine again: rebuild
                     if engine is not None and event.record.status in _LOST_STATUSES:
                         self._lose_locked(engine, _LOST_STATUSES[event.record.status])
                 elif engine is not None:  # else never a candidate here (labels), or gone
@@ -1741,7 +1836,7 @@ class Router:
         self._metrics.unconfirmed(len(kept))
         for engine in kept:
             self._hold_locked(engine)
-        self._snapshot = None
+        self._resync_locked()
 
     def _check_unconfirmed_locked(self) -> None:
         """Evict unconfirmed engines that are dead by their relay, or kept for ``grace``."""
@@ -1758,7 +1853,7 @@ class Router:
         """An unconfirmed engine goes: its handles are lost, the candidates rebuilt."""
         self._unhold_locked(engine.engine_id)
         self._lose_locked(engine, reason)
-        self._snapshot = None
+        self._resync_locked()
 
     def _hold_locked(self, engine: Candidate) -> None:
         if self._states is not None and engine.record.state_address:
@@ -1803,7 +1898,7 @@ class Router:
         self._roles = any(e.record.role is not EngineRole.AGGREGATED for e in ordered)
         self._neg_context = [-e.context_length for e in ordered]
         self._min_context = ordered[-1].context_length if ordered else 0
-        self._pools.clear()
+        self._clear_pools_locked()
         self._snapshot = snapshot
 
     def _note_policy_locked(self, record: EngineRecord, before: EngineRecord | None) -> None:
@@ -1865,7 +1960,7 @@ class Router:
                 engines = _by_version(engines, versions)
             engines = self._unfenced_locked(engines, key)
             if len(self._pools) >= _MAX_POOLS:
-                self._pools.clear()
+                self._clear_pools_locked()
             pool = self._pools[key] = _Pool(engines, self._resolve_locked(engines))
         return pool
 
