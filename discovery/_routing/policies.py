@@ -117,6 +117,7 @@ _SCORE = attrgetter("_score")
 _LOAD = attrgetter("load")
 _OTHERS = attrgetter("others")
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
+_KEPT_KEYS = 4096  # rendezvous keys (first blocks, sessions) whose first engine a set keeps
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -219,6 +220,7 @@ class Candidate:
         "_losses",
         "_score",
         "_seed",
+        "_tally",
         "advertised",
         "block_size",
         "capacity",
@@ -242,6 +244,7 @@ class Candidate:
         # the held handles' listeners waiting to hear of the next time.
         self._losses: list[tuple[int, str]] | None = None
         self._listening: dict[Any, tuple[Any, ...]] | None = None  # handle -> listeners
+        self._tally: LoadTally | None = None  # the router's picker's set, when in it
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:
@@ -259,18 +262,25 @@ class Candidate:
         self._rescore()
 
     def _rescore(self) -> None:
-        self.load = self.in_flight + self.others
-        self._score = (self.load + 1) / self.capacity
+        load = self.in_flight + self.others
+        if self._tally is not None:
+            self._tally.total += load - self.load
+        self.load = load
+        self._score = (load + 1) / self.capacity
 
     def _acquire(self) -> None:
         self.in_flight += 1
         self.load += 1  # _rescore's, inline: once per pick
         self._score = (self.load + 1) / self.capacity
+        if self._tally is not None:
+            self._tally.total += 1
 
     def _release(self) -> None:
         self.in_flight -= 1
         self.load -= 1  # _rescore's, inline: once per release
         self._score = (self.load + 1) / self.capacity
+        if self._tally is not None:
+            self._tally.total -= 1
 
     def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
         self.others = others
@@ -283,6 +293,42 @@ class Candidate:
             f"<Candidate {self.engine_id} in_flight={self.in_flight} others={self.others}"
             f"/{self.capacity}>"
         )
+
+
+class LoadTally:
+    """The total load of one candidate set, kept as its candidates' loads change.
+
+    A router keeps one for the set its picker hands out (``tally``), so the load bound
+    reads a number instead of summing every candidate per pick.
+    """
+
+    __slots__ = ("candidates", "total")
+
+    def __init__(self, candidates: tuple[Candidate, ...]) -> None:
+        self.candidates = candidates
+        self.total: int = sum(map(_LOAD, candidates))
+
+    def detach(self) -> None:
+        """Stop counting: its candidates' loads no longer reach it."""
+        for candidate in self.candidates:
+            if candidate._tally is self:
+                candidate._tally = None
+
+
+def tally(candidates: tuple[Candidate, ...]) -> LoadTally:
+    """Keep the total load of ``candidates`` from now on (each candidate counts in one)."""
+    kept = LoadTally(candidates)
+    for candidate in candidates:
+        candidate._tally = kept
+    return kept
+
+
+def _total_load(candidates: Sequence[Candidate]) -> int:
+    """The candidates' total load: kept (``tally``) for the router's picker's set."""
+    kept = candidates[0]._tally
+    if kept is not None and kept.candidates is candidates:
+        return kept.total
+    return sum(map(_LOAD, candidates))
 
 
 class PickRequest(NamedTuple):
@@ -364,8 +410,7 @@ def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: 
 
     For an integer ``k``, ``k + 1 <= ceil(x)`` holds exactly when ``k < x``.
     """
-    load: int = sum(map(_LOAD, candidates))
-    return load_factor * (load + 1) / capacity
+    return load_factor * (_total_load(candidates) + 1) / capacity
 
 
 # -- the built-in policies -------------------------------------------------------------
@@ -445,7 +490,7 @@ class FirstPrefixBlockPolicy(Policy):
         key = _first_block_key(tokens, block_size)
         return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
 
-    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, list[int], int]:
+    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, _Seeds, int]:
         """The hashed block size (the smallest), each candidate's seed, their capacity."""
         sizes = sorted({c.block_size for c in candidates})
         if len(sizes) > 1 and tuple(sizes) not in self._warned:
@@ -456,7 +501,7 @@ class FirstPrefixBlockPolicy(Policy):
                 sizes,
                 sizes[0],
             )
-        return sizes[0], [c._seed for c in candidates], sum(c.capacity for c in candidates)
+        return sizes[0], _Seeds(candidates), sum(c.capacity for c in candidates)
 
 
 class SessionPolicy(Policy):
@@ -486,20 +531,48 @@ class SessionPolicy(Policy):
         return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
 
 
-def _seeds_and_capacity(candidates: Sequence[Candidate]) -> tuple[list[int], int]:
-    return [c._seed for c in candidates], sum(c.capacity for c in candidates)
+def _seeds_and_capacity(candidates: Sequence[Candidate]) -> tuple[_Seeds, int]:
+    return _Seeds(candidates), sum(c.capacity for c in candidates)
+
+
+class _Seeds:
+    """A candidate set's rendezvous seeds, and the first candidate of each key seen.
+
+    Keys repeat (a system prompt's first block, a conversation's session): the first in
+    a key's order is scored once per set, not per pick.
+    """
+
+    __slots__ = ("_firsts", "seeds")
+
+    def __init__(self, candidates: Sequence[Candidate]) -> None:
+        self.seeds = [c._seed for c in candidates]
+        self._firsts: dict[int, int] = {}
+
+    def scores(self, key: int) -> list[int]:
+        """Each candidate's rendezvous score for ``key`` (the highest ranks first)."""
+        return [((key ^ seed) * _MIX) & _MASK64 for seed in self.seeds]
+
+    def first(self, key: int) -> int:
+        """The index of the candidate first in ``key``'s order."""
+        first = self._firsts.get(key)
+        if first is None:
+            scores = self.scores(key)
+            first = scores.index(max(scores))
+            if len(self._firsts) >= _KEPT_KEYS:
+                self._firsts.clear()
+            self._firsts[key] = first
+        return first
 
 
 def _rendezvous(
     candidates: Sequence[Candidate],
-    seeds: list[int],
+    seeds: _Seeds,
     capacity: int,
     key: int,
     load_factor: float | None,
 ) -> Candidate:
     """The first of ``candidates`` in ``key``'s rendezvous order that is under its bound."""
-    scores = [((key ^ seed) * _MIX) & _MASK64 for seed in seeds]
-    chosen = candidates[scores.index(max(scores))]
+    chosen = candidates[seeds.first(key)]
     if load_factor is None or len(candidates) == 1:
         return chosen
     scale = _bound_scale(candidates, load_factor, capacity)
@@ -507,6 +580,7 @@ def _rendezvous(
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
+    scores = seeds.scores(key)
     order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
     return next(
         (c for c in map(candidates.__getitem__, order) if c.load < scale * c.capacity), chosen

@@ -144,6 +144,7 @@ from discovery._routing.policies import (
     RoutingPolicy,
     SessionPolicy,
     session_hash,
+    tally,
     unknown_policy,
 )
 from discovery._routing.protection import (
@@ -585,7 +586,6 @@ class Router:
                 prefix_index_blocks=prefix_index_blocks,
             )
         self._table = table
-        self._store = table.store
         self._metrics = metrics or NO_METRICS
         self._counting = metrics is not None  # else no metrics call per pick
         self._selector = selector_of(selector)
@@ -599,6 +599,7 @@ class Router:
         self._min_context = 0
         self._pools: dict[tuple[object, ...], _Pool] = {}
         self._picker = NO_PICKER  # rebuilt by _refresh_locked (see discovery._routing.picker)
+        self._tally = tally(())  # the total load of the picker's candidates, kept
         self._warned: set[object] = set()
         self._held = 0  # unreleased handles, over every engine
         self._losses = 0  # engines that stopped being good targets, counted
@@ -701,7 +702,7 @@ class Router:
                         picker.admit,
                         0,
                     )
-                    if picker.snapshot is self._store._snapshot
+                    if picker.snapshot is self._table.snapshot()  # once per pick, as ever
                     and not self._batches
                     and not self._load_changes
                     and len(prompt_tokens) + max_tokens <= picker.fits
@@ -1787,6 +1788,9 @@ class Router:
             pool = self._pool_locked(_EVERYTHING, 0, 0, self._versions)
         except NoEngineAvailableError:
             return NO_PICKER  # the full path says why
+        if self._tally.candidates is not pool.candidates:
+            self._tally.detach()
+            self._tally = tally(pool.candidates)
         return Picker(snapshot, pool.candidates, pool.policy, self._min_context, self._admit)
 
     def _clear_pools_locked(self) -> None:
