@@ -283,6 +283,8 @@ class Candidate:
             self._tally.total -= 1
 
     def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
+        if self._tally is not None:
+            self._tally.shared += bool(others) - bool(self.others)
         self.others = others
         self.routers = routers
         self.rank = rank
@@ -302,11 +304,13 @@ class LoadTally:
     reads a number instead of summing every candidate per pick.
     """
 
-    __slots__ = ("candidates", "total")
+    __slots__ = ("candidates", "shared", "total")
 
     def __init__(self, candidates: tuple[Candidate, ...]) -> None:
         self.candidates = candidates
         self.total: int = sum(map(_LOAD, candidates))
+        self.shared = sum(1 for c in candidates if c.others)
+        """Candidates some other router holds load on."""
 
     def detach(self) -> None:
         """Stop counting: its candidates' loads no longer reach it."""
@@ -321,6 +325,14 @@ def tally(candidates: tuple[Candidate, ...]) -> LoadTally:
     for candidate in candidates:
         candidate._tally = kept
     return kept
+
+
+def _others_hold(candidates: Sequence[Candidate]) -> bool:
+    """Whether other routers hold some load on a candidate: kept for the picker's set."""
+    kept = candidates[0]._tally
+    if kept is not None and kept.candidates is candidates:
+        return kept.shared > 0
+    return any(map(_OTHERS, candidates))
 
 
 def _total_load(candidates: Sequence[Candidate]) -> int:
@@ -455,16 +467,21 @@ class LoadBalancedPolicy(Policy):
         count = len(candidates)
         if count == 1:
             return candidates[0]
-        if count > 2 and any(map(_OTHERS, candidates)):
+        if count > 2 and _others_hold(candidates):
             first = self._random.randrange(count)
             second = self._random.randrange(count - 1)
             second += second >= first
             one, two = candidates[first], candidates[second]
             return one if one._score <= two._score else two
-        # min() keeps the first of equals, so rotating the start spreads exact ties.
+        # The first of the lowest at or after a rotating start spreads exact ties.
         start = self._turn % len(candidates)
         self._turn += 1
-        return min((*candidates[start:], *candidates[:start]), key=_SCORE)
+        scores = list(map(_SCORE, candidates))
+        lowest = min(scores)
+        try:
+            return candidates[scores.index(lowest, start)]
+        except ValueError:  # every lowest one is before the start
+            return candidates[scores.index(lowest)]
 
 
 class FirstPrefixBlockPolicy(Policy):
@@ -773,6 +790,8 @@ class KvAwarePolicy(Policy):
         self.load_weight = float(load_weight)
         self.prefix_index_blocks = _check_index_blocks(prefix_index_blocks)
         self._states = states
+        # EngineStates keeps who holds each first block asked about; another view: scanned.
+        self._holders: Callable[[int], Iterable[str]] | None = getattr(states, "holders", None)
         self._estimate = _PrefixIndex()  # what this router sent: for engines without state
         self._balance = LoadBalancedPolicy()
         self._prepared = _PerCandidateSet(_by_block_size)
@@ -827,10 +846,8 @@ class KvAwarePolicy(Policy):
             )
         return Choice(chosen, policy, best_cached)
 
-    def _split(
-        self, group: Sequence[Candidate], view: Mapping[str, Container[int]]
-    ) -> tuple[list[tuple[Candidate, Container[int]]], list[Candidate], frozenset[str]]:
-        """The group's candidates with fresh state (and their blocks), those without, their ids."""
+    def _split(self, group: Sequence[Candidate], view: Mapping[str, Container[int]]) -> _Split:
+        """The group's fresh candidates (with blocks), the others, their ids, fresh places."""
         kept = self._splits.get(id(group))
         if kept is None or kept[0] is not group or kept[1] is not view:
             if len(self._splits) >= _KEPT_SETS:
@@ -838,8 +855,9 @@ class KvAwarePolicy(Policy):
             fresh = [(c, blocks) for c in group if (blocks := view.get(c.engine_id)) is not None]
             stale = [c for c in group if c.engine_id not in view]
             ids = frozenset(c.engine_id for c in stale)
-            kept = self._splits[id(group)] = (group, view, fresh, stale, ids)
-        return kept[2], kept[3], kept[4]
+            places = {c.engine_id: index for index, (c, _) in enumerate(fresh)}
+            kept = self._splits[id(group)] = (group, view, fresh, stale, ids, places)
+        return kept
 
     def _cached(
         self,
@@ -848,9 +866,17 @@ class KvAwarePolicy(Policy):
         view: Mapping[str, Container[int]],
     ) -> tuple[dict[Candidate, int], frozenset[str]]:
         """Leading blocks each candidate holds (those holding at least one); the ids estimated."""
-        fresh, stale, ids = self._split(group, view)
+        _, _, fresh, stale, ids, places = self._split(group, view)
         cached: dict[Candidate, int] = {}
         depth = 0
+        holders_of = self._holders
+        if holders_of is not None and fresh:
+            # The first block's holders are kept as KV events arrive: only they are asked
+            # about the next blocks (in the group's order, as the full scan keeps them).
+            first = hashes.get(0)
+            held = () if first is None else holders_of(first)
+            fresh = [fresh[i] for i in sorted(places[e] for e in held if e in places)]
+            depth = 1
         while fresh:
             block_hash = hashes.get(depth)
             if block_hash is None:
@@ -882,6 +908,7 @@ _Split = tuple[
     list[tuple[Candidate, Container[int]]],
     list[Candidate],
     frozenset[str],
+    dict[str, int],
 ]
 
 
