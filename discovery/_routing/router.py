@@ -93,7 +93,6 @@ import collections
 import contextlib
 import logging
 import math
-import sys
 import threading
 import time
 import weakref
@@ -108,7 +107,7 @@ from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._reads.store import Batch, EventType, RoutingSnapshot
 from discovery._reads.table import RoutingTable
 from discovery._records.handoff import EngineRole, handoff_problem
-from discovery._records.record import EngineRecord, EngineStatus, RecordView, validate_status
+from discovery._records.record import EngineRecord, EngineStatus, validate_status
 from discovery._records.selector import Selector, SelectorLike, selector_of
 from discovery._routing.admission import DEFAULT_MAX_WAITING, Admission, Capacity, Waiter
 from discovery._routing.fencing import (
@@ -118,6 +117,7 @@ from discovery._routing.fencing import (
     DEFAULT_MAX_FENCED_SHARE,
     FenceBook,
 )
+from discovery._routing.handles import Listener, PickHandle, PickPair, loss_of
 from discovery._routing.pairs import (
     DEFAULT_ALONE_BELOW,
     DEFAULT_ALONE_SHARE,
@@ -164,7 +164,6 @@ __all__ = ["Explanation", "PickHandle", "PickPair", "Router", "RouterHealth"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Listener = Callable[["PickHandle"], object] | asyncio.Future[str]
 
 _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
@@ -178,7 +177,6 @@ ALONE = frozenset({EngineRole.AGGREGATED, EngineRole.PREFILL})
 PREFILL = frozenset({EngineRole.PREFILL})
 DECODE = frozenset({EngineRole.DECODE})
 AGGREGATED = frozenset({EngineRole.AGGREGATED})
-_HELD = sys.maxsize  # a held handle's last loss to count: every one to come
 _LOST_STATUSES = {
     EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
     EngineStatus.STOPPING: "stopping: its engine exited or it is being deregistered",
@@ -297,153 +295,6 @@ class _Pool:
     def __init__(self, candidates: tuple[Candidate, ...], policy: Policy) -> None:
         self.candidates = candidates
         self.policy = policy
-
-
-class PickHandle(RecordView):
-    """The engine chosen for one request; hold it for the request's life, then release.
-
-    A context manager: leaving the ``with`` block releases it (an exception leaving the
-    block reports no outcome; call ``release(failed=True)`` for a failure). ``release()``
-    is idempotent and never fails, also after the engine left the table. While held, it
-    learns when its engine stops being a good target (``lost``, ``on_lost``,
-    ``wait_lost``): cancel the request and pick again with ``exclude``.
-    """
-
-    __slots__ = (
-        "_engine",
-        "_released",
-        "_router",
-        "_since",
-        "_until",
-        "group",
-        "matched_tokens",
-        "policy",
-        "record",
-        "waited",
-    )
-
-    def __init__(
-        self,
-        router: Router,
-        engine: Candidate,
-        policy: str,
-        matched_tokens: int,
-        waited: float = 0.0,
-    ) -> None:
-        self._router = router
-        self._engine = engine
-        self._released = False
-        self._since = router._losses  # losses of its engine after this one count...
-        self._until = _HELD  # ...until it is released
-        self.record: EngineRecord = engine.record
-        """The chosen engine's record, as it was when picked."""
-        self.policy = policy
-        """The policy that chose the engine (a fallback shows as ``load_balanced``)."""
-        self.matched_tokens = matched_tokens
-        """For ``longest_prefix``: prompt tokens the engine was recently sent; else 0."""
-        self.waited = waited
-        """Seconds the pick waited for room (admission); 0 when it did not wait."""
-        self.group: str | None = None
-        """The group of the split the pick drew (its selector's text); None without one."""
-
-    @property
-    def released(self) -> bool:
-        """Whether ``release()`` has run."""
-        return self._released
-
-    @property
-    def lost(self) -> str | None:
-        """Why the engine stopped being a good target while held (None: it has not)."""
-        return _lost(self)
-
-    def on_lost(self, callback: Callable[[PickHandle], object]) -> None:
-        """Call ``callback(handle)`` once if the engine stops being a good target while held.
-
-        It runs on the table's event thread, never under a lock of the router; at once,
-        on this thread, if that happened already. Never after ``release()``.
-        """
-        if not self._router._listen(self, callback):
-            callback(self)
-
-    async def wait_lost(self) -> str:
-        """Wait (without blocking the loop) until the engine is lost; returns the reason.
-
-        Never returns after the handle was released while held: cancel the wait then.
-        """
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        if not self._router._listen(self, future):
-            return _lost(self) or ""
-        return await future
-
-    def release(self, *, failed: bool = False) -> None:
-        """Stop counting this request against its engine; ``failed`` reports a failure.
-
-        Only the first call counts. ``failed=False`` (the default) is a success.
-        """
-        self._router._release(self, failed)
-
-    def __enter__(self) -> PickHandle:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        # An exception in the block may be the caller's own: it says nothing of the engine.
-        self._router._release(self, None if exc_type is not None else False)
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "held"
-        reason = _lost(self)
-        lost = f" lost={reason!r}" if reason else ""
-        return f"<PickHandle {self.engine_id} policy={self.policy} {state}{lost}>"
-
-
-class PickPair:
-    """The engines of one disaggregated request: ``prefill``, then ``decode``.
-
-    ``prefill`` is None when one engine serves the whole request (``alone``: an aggregated
-    engine, in ``decode``). Release each handle when its part is done (the prefill one once
-    the hand-off is released), or the pair at once (``release``, or leaving ``with``).
-    """
-
-    __slots__ = ("decode", "prefill")
-
-    def __init__(self, prefill: PickHandle | None, decode: PickHandle) -> None:
-        self.prefill = prefill
-        """The prefill engine's handle; None when one engine serves the request alone."""
-        self.decode = decode
-        """The decode engine's handle (or the one engine's, when alone)."""
-
-    @property
-    def alone(self) -> bool:
-        """Whether one engine serves the whole request (no hand-off)."""
-        return self.prefill is None
-
-    def release(self, *, failed: bool = False) -> None:
-        """Release both handles (each once; see ``PickHandle.release``)."""
-        if self.prefill is not None:
-            self.prefill.release(failed=failed)
-        self.decode.release(failed=failed)
-
-    def __enter__(self) -> PickPair:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        for handle in (self.prefill, self.decode):
-            if handle is not None:
-                handle.__exit__(exc_type)
-
-    def __repr__(self) -> str:
-        prefill = "alone" if self.prefill is None else self.prefill.engine_id
-        return f"<PickPair {prefill} -> {self.decode.engine_id}>"
-
-
-def _lost(handle: PickHandle) -> str | None:
-    """The first loss of ``handle``'s engine after it was picked (None: none yet)."""
-    losses = handle._engine._losses
-    if losses:
-        for count, reason in losses:
-            if handle._since < count <= handle._until:
-                return reason
-    return None
 
 
 class _TableSink:
@@ -1694,7 +1545,7 @@ class Router:
     def _listen(self, handle: PickHandle, listener: Listener) -> bool:
         """Keep ``listener`` for when ``handle`` is lost; False if it is lost already."""
         with self._lock:
-            if _lost(handle) is not None:
+            if loss_of(handle) is not None:
                 return False
             if not handle._released:  # a released handle hears nothing more
                 self._listen_locked(handle, listener)
