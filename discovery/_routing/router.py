@@ -125,7 +125,15 @@ from discovery._routing.pairs import (
     Pairing,
     ids,
 )
-from discovery._routing.picker import NO_PICKER, Picker
+from discovery._routing.picker import (
+    NO_PICKER,
+    NO_VERSIONS,
+    Picker,
+    Pool,
+    Versions,
+    by_version,
+    versions_present,
+)
 from discovery._routing.policies import (
     DEFAULT_INDEX_BLOCKS,
     DEFAULT_LOAD_FACTOR,
@@ -182,29 +190,6 @@ _LOST_STATUSES = {
     EngineStatus.STOPPING: "stopping: its engine exited or it is being deregistered",
 }
 _CHECK_EVERY = 0.1  # seconds between a pick's look at unconfirmed engines' evidence
-LATEST = "latest"
-
-
-class _Versions(NamedTuple):
-    """A pick's weight-version filter: a floor, and a lag behind the highest version."""
-
-    minimum: int | None = None
-    lag: int | None = None
-
-    @classmethod
-    def of(
-        cls, weight_version: str | None, min_weight_version: int | None, lag: int | None
-    ) -> _Versions:
-        if weight_version is not None and weight_version != LATEST:
-            raise ValueError(f"weight_version must be None or 'latest', not {weight_version!r}")
-        minimum = _non_negative("min_weight_version", min_weight_version)
-        lag = _non_negative("max_version_lag", lag)
-        if weight_version == LATEST:
-            lag = 0
-        return _NO_VERSIONS if minimum is None and lag is None else cls(minimum, lag)
-
-
-_NO_VERSIONS = _Versions()
 
 
 class _Ask(NamedTuple):
@@ -213,7 +198,7 @@ class _Ask(NamedTuple):
     prompt_tokens: Sequence[int]
     max_tokens: int
     selector: Selector
-    versions: _Versions
+    versions: Versions
     block_hashes: Mapping[int, Sequence[int]] | None
     exclude: frozenset[str]
     priority: int
@@ -285,16 +270,6 @@ class Explanation:
             mark = "-" if passed is None else ("ok" if passed else "NO")
             lines.append(f"  {mark:>2} {name}: {detail}")
         return "\n".join(lines)
-
-
-class _Pool:
-    """The candidates of one (selector, fit) combination and the policy that routes them."""
-
-    __slots__ = ("candidates", "policy")
-
-    def __init__(self, candidates: tuple[Candidate, ...], policy: Policy) -> None:
-        self.candidates = candidates
-        self.policy = policy
 
 
 class _TableSink:
@@ -387,7 +362,7 @@ class Router:
         self._policy = _policy_argument(policy)
         if self._policy is RoutingPolicy.KV_AWARE and states is None:
             raise ValueError("kv_aware routes on what the engines report: give states=")
-        self._versions = _Versions.of(weight_version, min_weight_version, max_version_lag)
+        self._versions = Versions.of(weight_version, min_weight_version, max_version_lag)
         # Built eagerly so bad options fail here, not at the first pick.
         self._builtins: dict[RoutingPolicy, Policy] = {
             RoutingPolicy.ROUND_ROBIN: RoundRobinPolicy(),
@@ -448,7 +423,7 @@ class Router:
         self._roles = False  # some candidate is not aggregated (a prefill / decode fleet)
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
-        self._pools: dict[tuple[object, ...], _Pool] = {}
+        self._pools: dict[tuple[object, ...], Pool] = {}
         self._picker = NO_PICKER  # rebuilt by _refresh_locked (see discovery._routing.picker)
         self._tally = tally(())  # the total load of the picker's candidates, kept
         self._warned: set[object] = set()
@@ -1209,7 +1184,7 @@ class Router:
         versions = (
             self._versions
             if weight_version is None and min_weight_version is None and max_version_lag is None
-            else _Versions.of(weight_version, min_weight_version, max_version_lag)
+            else Versions.of(weight_version, min_weight_version, max_version_lag)
         )
         if wait is None:
             admit = self._admit
@@ -1794,9 +1769,9 @@ class Router:
         selector: Selector,
         prompt_len: int,
         max_tokens: int,
-        versions: _Versions = _NO_VERSIONS,
+        versions: Versions = NO_VERSIONS,
         roles: frozenset[EngineRole] = ALONE,
-    ) -> _Pool:
+    ) -> Pool:
         """The candidates of one pick: every filter runs here (role, fit, labels, versions...)."""
         need = prompt_len + max_tokens
         # Most requests fit every engine: no call (this runs per pick).
@@ -1811,12 +1786,12 @@ class Router:
                 engines = tuple(e for e in engines if selector.matches(e.record.labels))
             if not engines:
                 raise self._no_engine_locked(selector, prompt_len, max_tokens, roles)
-            if versions is not _NO_VERSIONS:
-                engines = _by_version(engines, versions)
+            if versions is not NO_VERSIONS:
+                engines = by_version(engines, versions)
             engines = self._unfenced_locked(engines, key)
             if len(self._pools) >= _MAX_POOLS:
                 self._clear_pools_locked()
-            pool = self._pools[key] = _Pool(engines, self._resolve_locked(engines))
+            pool = self._pools[key] = Pool(engines, self._resolve_locked(engines))
         return pool
 
     def _unfenced_locked(
@@ -1985,9 +1960,9 @@ class Router:
             for e in self._ordered[: self._fit_locked(need)]
             if ask.selector.matches(e.record.labels)
         )
-        if ask.versions is not _NO_VERSIONS:
+        if ask.versions is not NO_VERSIONS:
             try:
-                engines = _by_version(engines, ask.versions)
+                engines = by_version(engines, ask.versions)
             except NoEngineAvailableError:
                 engines = ()
             kept = engine in engines
@@ -1996,7 +1971,7 @@ class Router:
                     "version",
                     kept,
                     f"weight_version {engine.record.weight_version}; the candidates are on "
-                    f"{_versions_present(self._ordered)}",
+                    f"{versions_present(self._ordered)}",
                 )
             )
             if not kept:
@@ -2089,42 +2064,6 @@ def _resolve(future: asyncio.Future[T], value: T) -> None:
         future.get_loop().call_soon_threadsafe(settle)
 
 
-def _by_version(engines: tuple[Candidate, ...], versions: _Versions) -> tuple[Candidate, ...]:
-    """The candidates that pass the version filter; NoEngineAvailableError when none does.
-
-    Only the floor (``min_weight_version``) can leave none: the lag is counted from the
-    highest version among ``engines``, which always passes it.
-    """
-    minimum, lag = versions
-    top = max((v for e in engines if (v := e.record.weight_version) is not None), default=None)
-    floor = minimum
-    if lag is not None and top is not None:
-        floor = top - lag if floor is None else max(floor, top - lag)
-    if floor is None:
-        return engines
-    kept = tuple(e for e in engines if (v := e.record.weight_version) is not None and v >= floor)
-    if not kept:
-        raise NoEngineAvailableError(
-            f"no engine is on weight_version >= {minimum} (min_weight_version): "
-            f"the {len(engines)} candidates (status, labels and fit passed) are on "
-            f"{_versions_present(engines)}"
-        )
-    return kept
-
-
-def _versions_present(engines: Iterable[Candidate]) -> str:
-    """``v7 (3), v8 (1), no version (2)``: the versions of ``engines``, with counts."""
-    counts: dict[int | None, int] = {}
-    for engine in engines:
-        version = engine.record.weight_version
-        counts[version] = counts.get(version, 0) + 1
-    versions = sorted(v for v in counts if v is not None)
-    parts = [f"v{v} ({counts[v]})" for v in versions]
-    if None in counts:
-        parts.append(f"no version ({counts[None]})")
-    return ", ".join(parts)
-
-
 def _check_block_hashes(block_hashes: Mapping[int, Sequence[int]], prompt_len: int) -> None:
     """One hash per complete block, for each block size given."""
     if not isinstance(block_hashes, Mapping):
@@ -2137,16 +2076,6 @@ def _check_block_hashes(block_hashes: Mapping[int, Sequence[int]], prompt_len: i
                 f"block_hashes[{size}] holds {len(hashes)} hashes; a prompt of {prompt_len} "
                 f"tokens has {prompt_len // size} complete blocks of {size} tokens"
             )
-
-
-def _non_negative(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _policy_argument(policy: RoutingPolicy | str | Policy) -> RoutingPolicy | Policy:
