@@ -768,10 +768,11 @@ class KvAwarePolicy(Policy):
     chain) passes them (``PickRequest.block_hashes``, ``Router.pick(block_hashes=...)``)
     and nothing is hashed. The engines' states are read once per pick
     (``states.fresh_view()``); which candidates have fresh state is derived once per
-    candidate set and view, so the per-candidate work is one set lookup for the first
-    block, then one per candidate still matching (bench/bench_router.py: with the hashes
-    given, about 20 us at 64 engines holding a few thousand blocks each, 70 us at 512,
-    mostly those first lookups, each a likely cache miss).
+    candidate set and view. The engines holding a prompt's first block come from
+    ``states.holders`` (kept as KV events arrive; a view without it is scanned), so only
+    they are asked about the next blocks, one set lookup per block per candidate still
+    matching (bench/bench_router.py: with the hashes given, about 35 us at 64 engines
+    holding a few thousand blocks each, 65 us at 512, on a shared machine).
     """
 
     name = RoutingPolicy.KV_AWARE
