@@ -749,6 +749,42 @@ def test_kv_aware_takes_the_block_hashes_the_caller_computed() -> None:
     assert set(router.in_flight().values()) == {0}
 
 
+def kv_event(states: EngineStates, engine_id: str, seq: int, kind: str, blocks: list[int]) -> None:
+    states.feed(engine_id, ["kv", 1, seq, kind, pack_hashes(blocks)])
+
+
+def test_a_first_blocks_holders_are_kept_as_kv_events_arrive() -> None:
+    fleet, states = kv_fleet(3)
+    prompt = list(range(2000, 2032))  # 2 blocks of 16
+    first, second = block_hashes(prompt, 16)
+    hello(states, "e0", [first, second])
+    hello(states, "e1", [])
+    hello(states, "e2", [])
+    router = Router(fleet.table, policy="kv_aware", states=states)
+    with router.pick(prompt, 1) as handle:  # asked once: found by looking in every set
+        assert (handle.engine_id, handle.matched_tokens) == ("e0", 32)
+    assert states.holders(first) == {"e0"}
+    kv_event(states, "e1", 1, "stored", [first, second])  # from now on kept by events
+    kv_event(states, "e0", 1, "removed", [first])
+    assert states.holders(first) == {"e1"}
+    with router.pick(prompt, 1) as handle:
+        assert (handle.engine_id, handle.matched_tokens) == ("e1", 32)
+    kv_event(states, "e1", 2, "cleared", [])
+    hello(states, "e2", [first])  # a snapshot replaces what an engine holds
+    assert states.holders(first) == {"e2"}
+    with router.pick(prompt, 1) as handle:
+        assert (handle.engine_id, handle.matched_tokens) == ("e2", 16)
+
+
+def test_a_fence_takes_an_engine_out_of_the_picker_at_once() -> None:
+    fleet = Fleet()
+    ids = fleet.add_many(2)
+    router = Router(fleet.table, policy="round_robin", fence_after=1, max_fenced_share=0.5)
+    first = router.pick([1], 1)  # builds the picker of this table state
+    first.release(failed=True)  # fenced: no later pick may read the picker built before
+    assert {router.pick([1], 1).engine_id for _ in range(4)} == set(ids) - {first.engine_id}
+
+
 def test_block_hashes_must_cover_every_complete_block() -> None:
     fleet, states = kv_fleet(1)
     router = Router(fleet.table, policy="kv_aware", states=states)

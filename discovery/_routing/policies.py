@@ -117,6 +117,7 @@ _SCORE = attrgetter("_score")
 _LOAD = attrgetter("load")
 _OTHERS = attrgetter("others")
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
+_KEPT_KEYS = 4096  # rendezvous keys (first blocks, sessions) whose first engine a set keeps
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -219,6 +220,7 @@ class Candidate:
         "_losses",
         "_score",
         "_seed",
+        "_tally",
         "advertised",
         "block_size",
         "capacity",
@@ -242,6 +244,7 @@ class Candidate:
         # the held handles' listeners waiting to hear of the next time.
         self._losses: list[tuple[int, str]] | None = None
         self._listening: dict[Any, tuple[Any, ...]] | None = None  # handle -> listeners
+        self._tally: LoadTally | None = None  # the router's picker's set, when in it
         self._update(record)
 
     def _update(self, record: EngineRecord) -> None:
@@ -259,20 +262,29 @@ class Candidate:
         self._rescore()
 
     def _rescore(self) -> None:
-        self.load = self.in_flight + self.others
-        self._score = (self.load + 1) / self.capacity
+        load = self.in_flight + self.others
+        if self._tally is not None:
+            self._tally.total += load - self.load
+        self.load = load
+        self._score = (load + 1) / self.capacity
 
     def _acquire(self) -> None:
         self.in_flight += 1
         self.load += 1  # _rescore's, inline: once per pick
         self._score = (self.load + 1) / self.capacity
+        if self._tally is not None:
+            self._tally.total += 1
 
     def _release(self) -> None:
         self.in_flight -= 1
         self.load -= 1  # _rescore's, inline: once per release
         self._score = (self.load + 1) / self.capacity
+        if self._tally is not None:
+            self._tally.total -= 1
 
     def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
+        if self._tally is not None:
+            self._tally.shared += bool(others) - bool(self.others)
         self.others = others
         self.routers = routers
         self.rank = rank
@@ -283,6 +295,52 @@ class Candidate:
             f"<Candidate {self.engine_id} in_flight={self.in_flight} others={self.others}"
             f"/{self.capacity}>"
         )
+
+
+class LoadTally:
+    """The total load of one candidate set, kept as its candidates' loads change.
+
+    A router keeps one for the set its picker hands out (``tally``), so the load bound
+    reads a number instead of summing every candidate per pick.
+    """
+
+    __slots__ = ("candidates", "shared", "total")
+
+    def __init__(self, candidates: tuple[Candidate, ...]) -> None:
+        self.candidates = candidates
+        self.total: int = sum(map(_LOAD, candidates))
+        self.shared = sum(1 for c in candidates if c.others)
+        """Candidates some other router holds load on."""
+
+    def detach(self) -> None:
+        """Stop counting: its candidates' loads no longer reach it."""
+        for candidate in self.candidates:
+            if candidate._tally is self:
+                candidate._tally = None
+
+
+def tally(candidates: tuple[Candidate, ...]) -> LoadTally:
+    """Keep the total load of ``candidates`` from now on (each candidate counts in one)."""
+    kept = LoadTally(candidates)
+    for candidate in candidates:
+        candidate._tally = kept
+    return kept
+
+
+def _others_hold(candidates: Sequence[Candidate]) -> bool:
+    """Whether other routers hold some load on a candidate: kept for the picker's set."""
+    kept = candidates[0]._tally
+    if kept is not None and kept.candidates is candidates:
+        return kept.shared > 0
+    return any(map(_OTHERS, candidates))
+
+
+def _total_load(candidates: Sequence[Candidate]) -> int:
+    """The candidates' total load: kept (``tally``) for the router's picker's set."""
+    kept = candidates[0]._tally
+    if kept is not None and kept.candidates is candidates:
+        return kept.total
+    return sum(map(_LOAD, candidates))
 
 
 class PickRequest(NamedTuple):
@@ -364,8 +422,7 @@ def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: 
 
     For an integer ``k``, ``k + 1 <= ceil(x)`` holds exactly when ``k < x``.
     """
-    load: int = sum(map(_LOAD, candidates))
-    return load_factor * (load + 1) / capacity
+    return load_factor * (_total_load(candidates) + 1) / capacity
 
 
 # -- the built-in policies -------------------------------------------------------------
@@ -410,16 +467,21 @@ class LoadBalancedPolicy(Policy):
         count = len(candidates)
         if count == 1:
             return candidates[0]
-        if count > 2 and any(map(_OTHERS, candidates)):
+        if count > 2 and _others_hold(candidates):
             first = self._random.randrange(count)
             second = self._random.randrange(count - 1)
             second += second >= first
             one, two = candidates[first], candidates[second]
             return one if one._score <= two._score else two
-        # min() keeps the first of equals, so rotating the start spreads exact ties.
+        # The first of the lowest at or after a rotating start spreads exact ties.
         start = self._turn % len(candidates)
         self._turn += 1
-        return min((*candidates[start:], *candidates[:start]), key=_SCORE)
+        scores = list(map(_SCORE, candidates))
+        lowest = min(scores)
+        try:
+            return candidates[scores.index(lowest, start)]
+        except ValueError:  # every lowest one is before the start
+            return candidates[scores.index(lowest)]
 
 
 class FirstPrefixBlockPolicy(Policy):
@@ -445,7 +507,7 @@ class FirstPrefixBlockPolicy(Policy):
         key = _first_block_key(tokens, block_size)
         return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
 
-    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, list[int], int]:
+    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, _Seeds, int]:
         """The hashed block size (the smallest), each candidate's seed, their capacity."""
         sizes = sorted({c.block_size for c in candidates})
         if len(sizes) > 1 and tuple(sizes) not in self._warned:
@@ -456,7 +518,7 @@ class FirstPrefixBlockPolicy(Policy):
                 sizes,
                 sizes[0],
             )
-        return sizes[0], [c._seed for c in candidates], sum(c.capacity for c in candidates)
+        return sizes[0], _Seeds(candidates), sum(c.capacity for c in candidates)
 
 
 class SessionPolicy(Policy):
@@ -486,20 +548,48 @@ class SessionPolicy(Policy):
         return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
 
 
-def _seeds_and_capacity(candidates: Sequence[Candidate]) -> tuple[list[int], int]:
-    return [c._seed for c in candidates], sum(c.capacity for c in candidates)
+def _seeds_and_capacity(candidates: Sequence[Candidate]) -> tuple[_Seeds, int]:
+    return _Seeds(candidates), sum(c.capacity for c in candidates)
+
+
+class _Seeds:
+    """A candidate set's rendezvous seeds, and the first candidate of each key seen.
+
+    Keys repeat (a system prompt's first block, a conversation's session): the first in
+    a key's order is scored once per set, not per pick.
+    """
+
+    __slots__ = ("_firsts", "seeds")
+
+    def __init__(self, candidates: Sequence[Candidate]) -> None:
+        self.seeds = [c._seed for c in candidates]
+        self._firsts: dict[int, int] = {}
+
+    def scores(self, key: int) -> list[int]:
+        """Each candidate's rendezvous score for ``key`` (the highest ranks first)."""
+        return [((key ^ seed) * _MIX) & _MASK64 for seed in self.seeds]
+
+    def first(self, key: int) -> int:
+        """The index of the candidate first in ``key``'s order."""
+        first = self._firsts.get(key)
+        if first is None:
+            scores = self.scores(key)
+            first = scores.index(max(scores))
+            if len(self._firsts) >= _KEPT_KEYS:
+                self._firsts.clear()
+            self._firsts[key] = first
+        return first
 
 
 def _rendezvous(
     candidates: Sequence[Candidate],
-    seeds: list[int],
+    seeds: _Seeds,
     capacity: int,
     key: int,
     load_factor: float | None,
 ) -> Candidate:
     """The first of ``candidates`` in ``key``'s rendezvous order that is under its bound."""
-    scores = [((key ^ seed) * _MIX) & _MASK64 for seed in seeds]
-    chosen = candidates[scores.index(max(scores))]
+    chosen = candidates[seeds.first(key)]
     if load_factor is None or len(candidates) == 1:
         return chosen
     scale = _bound_scale(candidates, load_factor, capacity)
@@ -507,6 +597,7 @@ def _rendezvous(
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
+    scores = seeds.scores(key)
     order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
     return next(
         (c for c in map(candidates.__getitem__, order) if c.load < scale * c.capacity), chosen
@@ -677,10 +768,11 @@ class KvAwarePolicy(Policy):
     chain) passes them (``PickRequest.block_hashes``, ``Router.pick(block_hashes=...)``)
     and nothing is hashed. The engines' states are read once per pick
     (``states.fresh_view()``); which candidates have fresh state is derived once per
-    candidate set and view, so the per-candidate work is one set lookup for the first
-    block, then one per candidate still matching (bench/bench_router.py: with the hashes
-    given, about 20 us at 64 engines holding a few thousand blocks each, 70 us at 512,
-    mostly those first lookups, each a likely cache miss).
+    candidate set and view. The engines holding a prompt's first block come from
+    ``states.holders`` (kept as KV events arrive; a view without it is scanned), so only
+    they are asked about the next blocks, one set lookup per block per candidate still
+    matching (bench/bench_router.py: with the hashes given, about 35 us at 64 engines
+    holding a few thousand blocks each, 65 us at 512, on a shared machine).
     """
 
     name = RoutingPolicy.KV_AWARE
@@ -699,6 +791,8 @@ class KvAwarePolicy(Policy):
         self.load_weight = float(load_weight)
         self.prefix_index_blocks = _check_index_blocks(prefix_index_blocks)
         self._states = states
+        # EngineStates keeps who holds each first block asked about; another view: scanned.
+        self._holders: Callable[[int], Iterable[str]] | None = getattr(states, "holders", None)
         self._estimate = _PrefixIndex()  # what this router sent: for engines without state
         self._balance = LoadBalancedPolicy()
         self._prepared = _PerCandidateSet(_by_block_size)
@@ -753,10 +847,8 @@ class KvAwarePolicy(Policy):
             )
         return Choice(chosen, policy, best_cached)
 
-    def _split(
-        self, group: Sequence[Candidate], view: Mapping[str, Container[int]]
-    ) -> tuple[list[tuple[Candidate, Container[int]]], list[Candidate], frozenset[str]]:
-        """The group's candidates with fresh state (and their blocks), those without, their ids."""
+    def _split(self, group: Sequence[Candidate], view: Mapping[str, Container[int]]) -> _Split:
+        """The group's fresh candidates (with blocks), the others, their ids, fresh places."""
         kept = self._splits.get(id(group))
         if kept is None or kept[0] is not group or kept[1] is not view:
             if len(self._splits) >= _KEPT_SETS:
@@ -764,8 +856,9 @@ class KvAwarePolicy(Policy):
             fresh = [(c, blocks) for c in group if (blocks := view.get(c.engine_id)) is not None]
             stale = [c for c in group if c.engine_id not in view]
             ids = frozenset(c.engine_id for c in stale)
-            kept = self._splits[id(group)] = (group, view, fresh, stale, ids)
-        return kept[2], kept[3], kept[4]
+            places = {c.engine_id: index for index, (c, _) in enumerate(fresh)}
+            kept = self._splits[id(group)] = (group, view, fresh, stale, ids, places)
+        return kept
 
     def _cached(
         self,
@@ -774,9 +867,17 @@ class KvAwarePolicy(Policy):
         view: Mapping[str, Container[int]],
     ) -> tuple[dict[Candidate, int], frozenset[str]]:
         """Leading blocks each candidate holds (those holding at least one); the ids estimated."""
-        fresh, stale, ids = self._split(group, view)
+        _, _, fresh, stale, ids, places = self._split(group, view)
         cached: dict[Candidate, int] = {}
         depth = 0
+        holders_of = self._holders
+        if holders_of is not None and fresh:
+            # The first block's holders are kept as KV events arrive: only they are asked
+            # about the next blocks (in the group's order, as the full scan keeps them).
+            first = hashes.get(0)
+            held = () if first is None else holders_of(first)
+            fresh = [fresh[i] for i in sorted(places[e] for e in held if e in places)]
+            depth = 1
         while fresh:
             block_hash = hashes.get(depth)
             if block_hash is None:
@@ -808,6 +909,7 @@ _Split = tuple[
     list[tuple[Candidate, Container[int]]],
     list[Candidate],
     frozenset[str],
+    dict[str, int],
 ]
 
 

@@ -93,7 +93,6 @@ import collections
 import contextlib
 import logging
 import math
-import sys
 import threading
 import time
 import weakref
@@ -108,7 +107,7 @@ from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._reads.store import Batch, EventType, RoutingSnapshot
 from discovery._reads.table import RoutingTable
 from discovery._records.handoff import EngineRole, handoff_problem
-from discovery._records.record import EngineRecord, EngineStatus, RecordView, validate_status
+from discovery._records.record import EngineRecord, EngineStatus, validate_status
 from discovery._records.selector import Selector, SelectorLike, selector_of
 from discovery._routing.admission import DEFAULT_MAX_WAITING, Admission, Capacity, Waiter
 from discovery._routing.fencing import (
@@ -118,12 +117,22 @@ from discovery._routing.fencing import (
     DEFAULT_MAX_FENCED_SHARE,
     FenceBook,
 )
+from discovery._routing.handles import Listener, PickHandle, PickPair, loss_of
 from discovery._routing.pairs import (
     DEFAULT_ALONE_BELOW,
     DEFAULT_ALONE_SHARE,
     HandoffKeys,
     Pairing,
     ids,
+)
+from discovery._routing.picker import (
+    NO_PICKER,
+    NO_VERSIONS,
+    Picker,
+    Pool,
+    Versions,
+    by_version,
+    versions_present,
 )
 from discovery._routing.policies import (
     DEFAULT_INDEX_BLOCKS,
@@ -143,6 +152,7 @@ from discovery._routing.policies import (
     RoutingPolicy,
     SessionPolicy,
     session_hash,
+    tally,
     unknown_policy,
 )
 from discovery._routing.protection import (
@@ -162,48 +172,24 @@ __all__ = ["Explanation", "PickHandle", "PickPair", "Router", "RouterHealth"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Listener = Callable[["PickHandle"], object] | asyncio.Future[str]
 
 _CACHE_AFFINE = (RoutingPolicy.FIRST_PREFIX_BLOCK, RoutingPolicy.LONGEST_PREFIX)
 
 _MAX_POOLS = 256  # cached candidate sets per table version; bounds memory under odd selectors
 _NO_AGES: Mapping[str, float] = MappingProxyType({})
 _NO_IDS: frozenset[str] = frozenset()
+_EVERYTHING = selector_of(None)
 _PINNED = "pinned"  # the policy a pinned pick is credited to
 ALONE = frozenset({EngineRole.AGGREGATED, EngineRole.PREFILL})
 """The roles that serve a request alone (a Megatron decode engine cannot compute a prompt)."""
 PREFILL = frozenset({EngineRole.PREFILL})
 DECODE = frozenset({EngineRole.DECODE})
 AGGREGATED = frozenset({EngineRole.AGGREGATED})
-_HELD = sys.maxsize  # a held handle's last loss to count: every one to come
 _LOST_STATUSES = {
     EngineStatus.STALLED: "stalled: its launcher stopped hearing from it",
     EngineStatus.STOPPING: "stopping: its engine exited or it is being deregistered",
 }
 _CHECK_EVERY = 0.1  # seconds between a pick's look at unconfirmed engines' evidence
-LATEST = "latest"
-
-
-class _Versions(NamedTuple):
-    """A pick's weight-version filter: a floor, and a lag behind the highest version."""
-
-    minimum: int | None = None
-    lag: int | None = None
-
-    @classmethod
-    def of(
-        cls, weight_version: str | None, min_weight_version: int | None, lag: int | None
-    ) -> _Versions:
-        if weight_version is not None and weight_version != LATEST:
-            raise ValueError(f"weight_version must be None or 'latest', not {weight_version!r}")
-        minimum = _non_negative("min_weight_version", min_weight_version)
-        lag = _non_negative("max_version_lag", lag)
-        if weight_version == LATEST:
-            lag = 0
-        return _NO_VERSIONS if minimum is None and lag is None else cls(minimum, lag)
-
-
-_NO_VERSIONS = _Versions()
 
 
 class _Ask(NamedTuple):
@@ -212,7 +198,7 @@ class _Ask(NamedTuple):
     prompt_tokens: Sequence[int]
     max_tokens: int
     selector: Selector
-    versions: _Versions
+    versions: Versions
     block_hashes: Mapping[int, Sequence[int]] | None
     exclude: frozenset[str]
     priority: int
@@ -284,163 +270,6 @@ class Explanation:
             mark = "-" if passed is None else ("ok" if passed else "NO")
             lines.append(f"  {mark:>2} {name}: {detail}")
         return "\n".join(lines)
-
-
-class _Pool:
-    """The candidates of one (selector, fit) combination and the policy that routes them."""
-
-    __slots__ = ("candidates", "policy")
-
-    def __init__(self, candidates: tuple[Candidate, ...], policy: Policy) -> None:
-        self.candidates = candidates
-        self.policy = policy
-
-
-class PickHandle(RecordView):
-    """The engine chosen for one request; hold it for the request's life, then release.
-
-    A context manager: leaving the ``with`` block releases it (an exception leaving the
-    block reports no outcome; call ``release(failed=True)`` for a failure). ``release()``
-    is idempotent and never fails, also after the engine left the table. While held, it
-    learns when its engine stops being a good target (``lost``, ``on_lost``,
-    ``wait_lost``): cancel the request and pick again with ``exclude``.
-    """
-
-    __slots__ = (
-        "_engine",
-        "_released",
-        "_router",
-        "_since",
-        "_until",
-        "group",
-        "matched_tokens",
-        "policy",
-        "record",
-        "waited",
-    )
-
-    def __init__(
-        self,
-        router: Router,
-        engine: Candidate,
-        policy: str,
-        matched_tokens: int,
-        waited: float = 0.0,
-    ) -> None:
-        self._router = router
-        self._engine = engine
-        self._released = False
-        self._since = router._losses  # losses of its engine after this one count...
-        self._until = _HELD  # ...until it is released
-        self.record: EngineRecord = engine.record
-        """The chosen engine's record, as it was when picked."""
-        self.policy = policy
-        """The policy that chose the engine (a fallback shows as ``load_balanced``)."""
-        self.matched_tokens = matched_tokens
-        """For ``longest_prefix``: prompt tokens the engine was recently sent; else 0."""
-        self.waited = waited
-        """Seconds the pick waited for room (admission); 0 when it did not wait."""
-        self.group: str | None = None
-        """The group of the split the pick drew (its selector's text); None without one."""
-
-    @property
-    def released(self) -> bool:
-        """Whether ``release()`` has run."""
-        return self._released
-
-    @property
-    def lost(self) -> str | None:
-        """Why the engine stopped being a good target while held (None: it has not)."""
-        return _lost(self)
-
-    def on_lost(self, callback: Callable[[PickHandle], object]) -> None:
-        """Call ``callback(handle)`` once if the engine stops being a good target while held.
-
-        It runs on the table's event thread, never under a lock of the router; at once,
-        on this thread, if that happened already. Never after ``release()``.
-        """
-        if not self._router._listen(self, callback):
-            callback(self)
-
-    async def wait_lost(self) -> str:
-        """Wait (without blocking the loop) until the engine is lost; returns the reason.
-
-        Never returns after the handle was released while held: cancel the wait then.
-        """
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        if not self._router._listen(self, future):
-            return _lost(self) or ""
-        return await future
-
-    def release(self, *, failed: bool = False) -> None:
-        """Stop counting this request against its engine; ``failed`` reports a failure.
-
-        Only the first call counts. ``failed=False`` (the default) is a success.
-        """
-        self._router._release(self, failed)
-
-    def __enter__(self) -> PickHandle:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        # An exception in the block may be the caller's own: it says nothing of the engine.
-        self._router._release(self, None if exc_type is not None else False)
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "held"
-        reason = _lost(self)
-        lost = f" lost={reason!r}" if reason else ""
-        return f"<PickHandle {self.engine_id} policy={self.policy} {state}{lost}>"
-
-
-class PickPair:
-    """The engines of one disaggregated request: ``prefill``, then ``decode``.
-
-    ``prefill`` is None when one engine serves the whole request (``alone``: an aggregated
-    engine, in ``decode``). Release each handle when its part is done (the prefill one once
-    the hand-off is released), or the pair at once (``release``, or leaving ``with``).
-    """
-
-    __slots__ = ("decode", "prefill")
-
-    def __init__(self, prefill: PickHandle | None, decode: PickHandle) -> None:
-        self.prefill = prefill
-        """The prefill engine's handle; None when one engine serves the request alone."""
-        self.decode = decode
-        """The decode engine's handle (or the one engine's, when alone)."""
-
-    @property
-    def alone(self) -> bool:
-        """Whether one engine serves the whole request (no hand-off)."""
-        return self.prefill is None
-
-    def release(self, *, failed: bool = False) -> None:
-        """Release both handles (each once; see ``PickHandle.release``)."""
-        if self.prefill is not None:
-            self.prefill.release(failed=failed)
-        self.decode.release(failed=failed)
-
-    def __enter__(self) -> PickPair:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        for handle in (self.prefill, self.decode):
-            if handle is not None:
-                handle.__exit__(exc_type)
-
-    def __repr__(self) -> str:
-        prefill = "alone" if self.prefill is None else self.prefill.engine_id
-        return f"<PickPair {prefill} -> {self.decode.engine_id}>"
-
-
-def _lost(handle: PickHandle) -> str | None:
-    """The first loss of ``handle``'s engine after it was picked (None: none yet)."""
-    losses = handle._engine._losses
-    if losses:
-        for count, reason in losses:
-            if handle._since < count <= handle._until:
-                return reason
-    return None
 
 
 class _TableSink:
@@ -533,7 +362,7 @@ class Router:
         self._policy = _policy_argument(policy)
         if self._policy is RoutingPolicy.KV_AWARE and states is None:
             raise ValueError("kv_aware routes on what the engines report: give states=")
-        self._versions = _Versions.of(weight_version, min_weight_version, max_version_lag)
+        self._versions = Versions.of(weight_version, min_weight_version, max_version_lag)
         # Built eagerly so bad options fail here, not at the first pick.
         self._builtins: dict[RoutingPolicy, Policy] = {
             RoutingPolicy.ROUND_ROBIN: RoundRobinPolicy(),
@@ -584,6 +413,7 @@ class Router:
             )
         self._table = table
         self._metrics = metrics or NO_METRICS
+        self._counting = metrics is not None  # else no metrics call per pick
         self._selector = selector_of(selector)
         self._statuses = frozenset(validate_status(status) for status in statuses)
         self._lock = threading.Lock()
@@ -593,7 +423,9 @@ class Router:
         self._roles = False  # some candidate is not aggregated (a prefill / decode fleet)
         self._neg_context: list[int] = []  # ascending, for bisect
         self._min_context = 0
-        self._pools: dict[tuple[object, ...], _Pool] = {}
+        self._pools: dict[tuple[object, ...], Pool] = {}
+        self._picker = NO_PICKER  # rebuilt by _refresh_locked (see discovery._routing.picker)
+        self._tally = tally(())  # the total load of the picker's candidates, kept
         self._warned: set[object] = set()
         self._held = 0  # unreleased handles, over every engine
         self._losses = 0  # engines that stopped being good targets, counted
@@ -664,6 +496,50 @@ class Router:
         NoEngineAvailableError when no engine passes the filters, OverloadedError when none
         had room in time.
         """
+        if (
+            selector is None
+            and weight_version is None
+            and min_weight_version is None
+            and max_version_lag is None
+            and exclude is None
+            and wait is None
+            and session_key is None
+            and engine_id is None
+            and split is None
+            and not images
+            and not fallback
+            and priority == 0
+            and type(priority) is int
+            and type(max_tokens) is int
+            and max_tokens >= 0
+        ):  # no per-call option: the picker's, if it is current
+            if block_hashes is not None:
+                _check_block_hashes(block_hashes, len(prompt_tokens))
+            with self._lock:
+                picker = self._picker
+                handle = (
+                    self._choose_locked(
+                        picker.policy,
+                        picker.candidates,
+                        tuple.__new__(  # as _plain_ask: no Python-level __new__ per pick
+                            PickRequest,
+                            (prompt_tokens, max_tokens, _EVERYTHING, block_hashes, None),
+                        ),
+                        picker.admit,
+                        0,
+                    )
+                    if picker.snapshot is self._table.snapshot()  # once per pick, as ever
+                    and not self._batches
+                    and not self._load_changes
+                    and len(prompt_tokens) + max_tokens <= picker.fits
+                    else None
+                )
+            if handle is not None:
+                if self._counting:
+                    self._metrics.picked(handle.policy)
+                if self._notices:  # rarely: no call per pick
+                    self._deliver_notices()
+                return handle
         ask, timeout = self._ask(
             prompt_tokens,
             max_tokens,
@@ -1308,7 +1184,7 @@ class Router:
         versions = (
             self._versions
             if weight_version is None and min_weight_version is None and max_version_lag is None
-            else _Versions.of(weight_version, min_weight_version, max_version_lag)
+            else Versions.of(weight_version, min_weight_version, max_version_lag)
         )
         if wait is None:
             admit = self._admit
@@ -1399,6 +1275,7 @@ class Router:
         event: threading.Event | None = None,
         future: asyncio.Future[PickHandle] | None = None,
     ) -> Waiter[PickHandle]:
+        self._picker = NO_PICKER  # those waiting come first: no pick passes them by
         key = self._pool_key_locked(ask)
         started = time.monotonic()
         waiter = Waiter(ask, key, ask.priority, started, event=event, future=future)
@@ -1477,13 +1354,31 @@ class Router:
             PickRequest,
             (ask.prompt_tokens, ask.max_tokens, ask.selector, ask.block_hashes, ask.session),
         )
+        handle = self._choose_locked(
+            policy, candidates, request, ask.admit, ask.priority, started=started
+        )
+        if handle is not None and ask.group is not None:
+            handle.group = ask.group
+        return handle
+
+    def _choose_locked(
+        self,
+        policy: Policy,
+        candidates: tuple[Candidate, ...],
+        request: PickRequest,
+        admit: bool,
+        priority: int,
+        *,
+        started: float | None = None,
+    ) -> PickHandle | None:
+        """``policy``'s engine among ``candidates`` (one with room if ``admit``), held."""
         choice = policy.choose(candidates, request)
         engine = choice.candidate if isinstance(choice, Choice) else choice
         if policy is self._policy:  # the user's own: check what it answered
             _check_choice(policy, engine, candidates)
-        if ask.admit and not self._admission.has_room(engine, ask.priority):
+        if admit and not self._admission.has_room(engine, priority):
             has_room = self._admission.has_room
-            candidates = tuple(e for e in candidates if has_room(e, ask.priority))
+            candidates = tuple(e for e in candidates if has_room(e, priority))
             if not candidates:
                 return None
             choice = policy.choose(candidates, request)
@@ -1497,10 +1392,9 @@ class Router:
             name, matched = policy.name, 0
         engine._acquire()
         self._held += 1
-        waited = 0.0 if started is None else time.monotonic() - started
-        handle = PickHandle(self, engine, name, matched, waited)
-        handle.group = ask.group
-        return handle
+        if started is None:
+            return PickHandle(self, engine, name, matched)
+        return PickHandle(self, engine, name, matched, time.monotonic() - started)
 
     def _pinned_locked(
         self, engine: Candidate, ask: _Ask, started: float | None
@@ -1619,14 +1513,14 @@ class Router:
             return "evicted"
         outcome = self._fences.failed(engine_id, len(self._engines))
         if outcome == "fenced":
-            self._pools.clear()
+            self._clear_pools_locked()
             self._lose_locked(engine, "fenced: too many requests on it failed in a row")
         return outcome
 
     def _listen(self, handle: PickHandle, listener: Listener) -> bool:
         """Keep ``listener`` for when ``handle`` is lost; False if it is lost already."""
         with self._lock:
-            if _lost(handle) is not None:
+            if loss_of(handle) is not None:
                 return False
             if not handle._released:  # a released handle hears nothing more
                 self._listen_locked(handle, listener)
@@ -1702,7 +1596,38 @@ class Router:
         if snapshot is not self._snapshot:
             self._sync_locked(snapshot)
         if self._fences.fenced and self._fences.expire():  # the first: no call per pick
-            self._pools.clear()
+            self._clear_pools_locked()
+        if self._picker.snapshot is not snapshot:
+            self._picker = self._picker_locked(snapshot)
+
+    def _picker_locked(self, snapshot: RoutingSnapshot) -> Picker:
+        """The picker of this state; NO_PICKER while something else decides picks."""
+        if (
+            self._fences.fenced
+            or self._protection.unconfirmed
+            or self._admission.waiters
+            or self._split is not None
+            or self._snapshot is not snapshot
+        ):
+            return NO_PICKER
+        try:
+            pool = self._pool_locked(_EVERYTHING, 0, 0, self._versions)
+        except NoEngineAvailableError:
+            return NO_PICKER  # the full path says why
+        if self._tally.candidates is not pool.candidates:
+            self._tally.detach()
+            self._tally = tally(pool.candidates)
+        return Picker(snapshot, pool.candidates, pool.policy, self._min_context, self._admit)
+
+    def _clear_pools_locked(self) -> None:
+        """The candidate sets changed (fences, engines): derive them again."""
+        self._pools.clear()
+        self._picker = NO_PICKER
+
+    def _resync_locked(self) -> None:
+        """Rebuild from the table at the next look, though its snapshot is the same."""
+        self._snapshot = None
+        self._picker = NO_PICKER
 
     def _take_batches_locked(self, snapshot: RoutingSnapshot) -> None:
         """Read the batches ``snapshot`` includes: removals, returns, statuses that lose."""
@@ -1716,7 +1641,7 @@ class Router:
                 if event.type is not EventType.REMOVED:
                     if self._protection.back(engine_id):
                         self._unhold_locked(engine_id)
-                        self._snapshot = None  # an ordinary engine again: rebuild
+                        self._resync_locked()  # an ordinary engine again: rebuild
                     if engine is not None and event.record.status in _LOST_STATUSES:
                         self._lose_locked(engine, _LOST_STATUSES[event.record.status])
                 elif engine is not None:  # else never a candidate here (labels), or gone
@@ -1741,7 +1666,7 @@ class Router:
         self._metrics.unconfirmed(len(kept))
         for engine in kept:
             self._hold_locked(engine)
-        self._snapshot = None
+        self._resync_locked()
 
     def _check_unconfirmed_locked(self) -> None:
         """Evict unconfirmed engines that are dead by their relay, or kept for ``grace``."""
@@ -1758,7 +1683,7 @@ class Router:
         """An unconfirmed engine goes: its handles are lost, the candidates rebuilt."""
         self._unhold_locked(engine.engine_id)
         self._lose_locked(engine, reason)
-        self._snapshot = None
+        self._resync_locked()
 
     def _hold_locked(self, engine: Candidate) -> None:
         if self._states is not None and engine.record.state_address:
@@ -1803,7 +1728,7 @@ class Router:
         self._roles = any(e.record.role is not EngineRole.AGGREGATED for e in ordered)
         self._neg_context = [-e.context_length for e in ordered]
         self._min_context = ordered[-1].context_length if ordered else 0
-        self._pools.clear()
+        self._clear_pools_locked()
         self._snapshot = snapshot
 
     def _note_policy_locked(self, record: EngineRecord, before: EngineRecord | None) -> None:
@@ -1844,9 +1769,9 @@ class Router:
         selector: Selector,
         prompt_len: int,
         max_tokens: int,
-        versions: _Versions = _NO_VERSIONS,
+        versions: Versions = NO_VERSIONS,
         roles: frozenset[EngineRole] = ALONE,
-    ) -> _Pool:
+    ) -> Pool:
         """The candidates of one pick: every filter runs here (role, fit, labels, versions...)."""
         need = prompt_len + max_tokens
         # Most requests fit every engine: no call (this runs per pick).
@@ -1861,12 +1786,12 @@ class Router:
                 engines = tuple(e for e in engines if selector.matches(e.record.labels))
             if not engines:
                 raise self._no_engine_locked(selector, prompt_len, max_tokens, roles)
-            if versions is not _NO_VERSIONS:
-                engines = _by_version(engines, versions)
+            if versions is not NO_VERSIONS:
+                engines = by_version(engines, versions)
             engines = self._unfenced_locked(engines, key)
             if len(self._pools) >= _MAX_POOLS:
-                self._pools.clear()
-            pool = self._pools[key] = _Pool(engines, self._resolve_locked(engines))
+                self._clear_pools_locked()
+            pool = self._pools[key] = Pool(engines, self._resolve_locked(engines))
         return pool
 
     def _unfenced_locked(
@@ -2035,9 +1960,9 @@ class Router:
             for e in self._ordered[: self._fit_locked(need)]
             if ask.selector.matches(e.record.labels)
         )
-        if ask.versions is not _NO_VERSIONS:
+        if ask.versions is not NO_VERSIONS:
             try:
-                engines = _by_version(engines, ask.versions)
+                engines = by_version(engines, ask.versions)
             except NoEngineAvailableError:
                 engines = ()
             kept = engine in engines
@@ -2046,7 +1971,7 @@ class Router:
                     "version",
                     kept,
                     f"weight_version {engine.record.weight_version}; the candidates are on "
-                    f"{_versions_present(self._ordered)}",
+                    f"{versions_present(self._ordered)}",
                 )
             )
             if not kept:
@@ -2139,42 +2064,6 @@ def _resolve(future: asyncio.Future[T], value: T) -> None:
         future.get_loop().call_soon_threadsafe(settle)
 
 
-def _by_version(engines: tuple[Candidate, ...], versions: _Versions) -> tuple[Candidate, ...]:
-    """The candidates that pass the version filter; NoEngineAvailableError when none does.
-
-    Only the floor (``min_weight_version``) can leave none: the lag is counted from the
-    highest version among ``engines``, which always passes it.
-    """
-    minimum, lag = versions
-    top = max((v for e in engines if (v := e.record.weight_version) is not None), default=None)
-    floor = minimum
-    if lag is not None and top is not None:
-        floor = top - lag if floor is None else max(floor, top - lag)
-    if floor is None:
-        return engines
-    kept = tuple(e for e in engines if (v := e.record.weight_version) is not None and v >= floor)
-    if not kept:
-        raise NoEngineAvailableError(
-            f"no engine is on weight_version >= {minimum} (min_weight_version): "
-            f"the {len(engines)} candidates (status, labels and fit passed) are on "
-            f"{_versions_present(engines)}"
-        )
-    return kept
-
-
-def _versions_present(engines: Iterable[Candidate]) -> str:
-    """``v7 (3), v8 (1), no version (2)``: the versions of ``engines``, with counts."""
-    counts: dict[int | None, int] = {}
-    for engine in engines:
-        version = engine.record.weight_version
-        counts[version] = counts.get(version, 0) + 1
-    versions = sorted(v for v in counts if v is not None)
-    parts = [f"v{v} ({counts[v]})" for v in versions]
-    if None in counts:
-        parts.append(f"no version ({counts[None]})")
-    return ", ".join(parts)
-
-
 def _check_block_hashes(block_hashes: Mapping[int, Sequence[int]], prompt_len: int) -> None:
     """One hash per complete block, for each block size given."""
     if not isinstance(block_hashes, Mapping):
@@ -2187,16 +2076,6 @@ def _check_block_hashes(block_hashes: Mapping[int, Sequence[int]], prompt_len: i
                 f"block_hashes[{size}] holds {len(hashes)} hashes; a prompt of {prompt_len} "
                 f"tokens has {prompt_len // size} complete blocks of {size} tokens"
             )
-
-
-def _non_negative(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _policy_argument(policy: RoutingPolicy | str | Policy) -> RoutingPolicy | Policy:

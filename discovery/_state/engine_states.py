@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from discovery._errors import ClosedError
 from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._reads.store import Batch, EventType
-from discovery._state.kvstate import unpack_hashes
+from discovery._state.kvstate import Holders, unpack_hashes
 from discovery._state.relay import HEARTBEAT, LOAD_INTERVAL
 
 if TYPE_CHECKING:
@@ -190,6 +190,7 @@ class EngineStates:
         # a block set's identity); the view kept is (version, stale_after, deadline, view).
         self._version = 0
         self._view: tuple[int, float, float, Mapping[str, Container[int]]] | None = None
+        self._holders = Holders()  # who holds the first blocks picks asked about
         self._resyncs: dict[str, int] = {"start": 0, "gap": 0, "epoch": 0}
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None
@@ -282,6 +283,17 @@ class EngineStates:
         fresh = MappingProxyType(view)
         self._view = (version, stale_after, deadline, fresh)
         return fresh
+
+    def holders(self, block_hash: int) -> frozenset[str]:
+        """The engines followed whose cached blocks include ``block_hash`` (fresh or not).
+
+        Kept as KV events arrive from the first call for that block on (a prompt's first
+        block: kv_aware asks per pick), so a pick does not ask every engine's set.
+        """
+        return self._holders.of(block_hash, self._sets)
+
+    def _sets(self) -> Iterable[tuple[str, Container[int]]]:
+        return [(engine_id, follow.blocks) for engine_id, follow in self._follows.items()]
 
     def fresh(self, engine_id: str) -> Mapping[str, Any] | None:
         """The engine's load view if its state is synced and fresh, else None."""
@@ -620,6 +632,7 @@ class EngineStates:
         if verb == "hello":
             seq, blocks, load = rest
             follow.blocks = set(unpack_hashes(blocks))
+            self._holders.replaced(follow.engine_id, follow.blocks)
             follow.epoch, follow.seq, follow.gone = epoch, seq, False
             self._new_load(follow, load)
             synced, follow.synced = follow.synced, True
@@ -649,11 +662,16 @@ class EngineStates:
                 return
             follow.seq = seq
             if kind == "stored":
-                follow.blocks.update(unpack_hashes(blocks))
+                hashes = unpack_hashes(blocks)
+                follow.blocks.update(hashes)
+                self._holders.stored(follow.engine_id, hashes)
             elif kind == "removed":
-                follow.blocks.difference_update(unpack_hashes(blocks))
+                hashes = unpack_hashes(blocks)
+                follow.blocks.difference_update(hashes)
+                self._holders.removed(follow.engine_id, hashes)
             else:
                 follow.blocks.clear()
+                self._holders.removed(follow.engine_id)
         elif verb == "tick":
             (seq,) = rest
             if seq > follow.seq and (follow.synced or now - follow.asked > self._heartbeat):

@@ -22,10 +22,11 @@ from __future__ import annotations
 import array
 import itertools
 import sys
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
-__all__ = ["KV_KINDS", "BlockSet", "kv_change", "pack_hashes", "unpack_hashes"]
+__all__ = ["KV_KINDS", "BlockSet", "Holders", "kv_change", "pack_hashes", "unpack_hashes"]
 
 KV_KINDS = ("stored", "removed", "cleared")
 MAX_HASH = 2**64 - 1
@@ -96,6 +97,64 @@ class BlockSet:
     def hashes(self) -> list[Any]:
         """Every held hash, oldest first (a copy)."""
         return list(self._blocks)
+
+
+_Held = tuple[str, Container[int]]  # an engine id and its cached block hashes
+
+
+class Holders:
+    """Which engines hold each block asked about (a prompt's first block), kept up to date.
+
+    Kept as KV events arrive, instead of asking every engine's set per pick.
+    A block enters on its first ``of`` (found by looking in every engine's set once) and
+    is kept up to date from then on by ``stored`` / ``removed`` / ``cleared`` / snapshot;
+    at most ``limit`` blocks are kept (the oldest asked about go first). Reads take no
+    lock (each entry is a frozenset replaced whole); changes take one.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._holders: dict[int, frozenset[str]] = {}
+
+    def of(self, block_hash: int, sets: Callable[[], Iterable[_Held]]) -> frozenset[str]:
+        """The engines holding ``block_hash``; ``sets()`` gives every engine's set (once)."""
+        held = self._holders.get(block_hash)
+        if held is not None:
+            return held
+        with self._lock:
+            held = frozenset(engine_id for engine_id, blocks in sets() if block_hash in blocks)
+            if len(self._holders) >= self._limit:
+                del self._holders[next(iter(self._holders))]
+            self._holders[block_hash] = held
+        return held
+
+    def stored(self, engine_id: str, hashes: Iterable[int]) -> None:
+        """``engine_id`` now holds ``hashes`` too."""
+        holders = self._holders
+        if holders:
+            with self._lock:
+                for block_hash in holders.keys() & set(hashes):
+                    holders[block_hash] = holders[block_hash] | {engine_id}
+
+    def removed(self, engine_id: str, hashes: Iterable[int] | None = None) -> None:
+        """``engine_id`` no longer holds ``hashes`` (None: any block)."""
+        holders = self._holders
+        if holders:
+            with self._lock:
+                named = holders.keys() if hashes is None else holders.keys() & set(hashes)
+                for block_hash in named:
+                    if engine_id in holders[block_hash]:
+                        holders[block_hash] = holders[block_hash] - {engine_id}
+
+    def replaced(self, engine_id: str, blocks: Container[int]) -> None:
+        """``engine_id`` holds exactly ``blocks`` now (a snapshot)."""
+        holders = self._holders
+        if holders:
+            with self._lock:
+                for block_hash, held in holders.items():
+                    if (block_hash in blocks) != (engine_id in held):
+                        holders[block_hash] = held ^ {engine_id}
 
 
 def pack_hashes(hashes: Iterable[int]) -> bytes:
