@@ -48,6 +48,14 @@ bound. ``load_factor=None`` removes the bound (pure affinity). Loads are this ro
 handles: independent routers agree on an engine's first choice whenever the first engine
 is under each router's bound, and each router bounds only its own traffic.
 
+**What one engine may claim.** Every policy weighs an engine by its capacity, which its
+record states: a record that lies (a buggy or hostile writer's ``max_num_seqs`` of 10**12,
+inside the codec's bounds) would take every pick. So among any candidate set an engine
+weighs at most ``MAX_MEDIAN_MULTIPLE`` (2) times the set's median capacity (the upper median:
+with two engines, neither is capped): in the score, the load bound and the utilisation.
+One such engine among ``N`` takes at most ``2 / (N + 1)`` of the load; an honest fleet whose
+engines are within twice the median, the usual case, is weighed as before.
+
 **Hashing** is deterministic across processes and machines: prompt tokens are packed as
 little-endian int64 and hashed with BLAKE2b (64-bit digests; block ``i``'s hash covers
 tokens ``[0, (i + 1) * block_size)``, so it identifies the whole prefix). An engine's
@@ -117,6 +125,7 @@ _SCORE = attrgetter("_score")
 _LOAD = attrgetter("load")
 _OTHERS = attrgetter("others")
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
+MAX_MEDIAN_MULTIPLE = 2  # an engine's weight: at most this times its set's median capacity
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -368,6 +377,28 @@ def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: 
     return load_factor * (load + 1) / capacity
 
 
+def _weights(candidates: Sequence[Candidate]) -> tuple[int, int | None]:
+    """The candidates' total weight, and the cap on one's weight if some claim more (else None).
+
+    The cap is MAX_MEDIAN_MULTIPLE times the upper median capacity (module docs).
+    """
+    capacities = sorted(c.capacity for c in candidates)
+    cap = MAX_MEDIAN_MULTIPLE * capacities[len(capacities) // 2]
+    if capacities[-1] <= cap:
+        return sum(capacities), None
+    return sum(min(capacity, cap) for capacity in capacities), cap
+
+
+def _weight(candidate: Candidate, cap: int | None) -> int:
+    """``candidate``'s capacity as the policies weigh it: at most ``cap``."""
+    return candidate.capacity if cap is None else min(candidate.capacity, cap)
+
+
+def _scorer(cap: int | None) -> Callable[[Candidate], float]:
+    """``(load + 1) / weight``: the candidates' own score unless ``cap`` caps a weight."""
+    return _SCORE if cap is None else lambda c: (c.load + 1) / min(c.capacity, cap)
+
+
 # -- the built-in policies -------------------------------------------------------------
 
 
@@ -400,26 +431,28 @@ class LoadBalancedPolicy(Policy):
     def __init__(self) -> None:
         self._turn = 0
         self._random = random.Random(random.getrandbits(64))  # each router draws its own
+        self._weights = _PerCandidateSet(_weights)
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate:
         """The least-loaded candidate."""
         return self.least_loaded(candidates)
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
-        """The lowest ``(in_flight + 1) / capacity``; exact ties rotate."""
+        """The lowest ``(in_flight + 1) / capacity`` (capped: module docs); exact ties rotate."""
         count = len(candidates)
         if count == 1:
             return candidates[0]
+        score = _scorer(self._weights(candidates)[1])
         if count > 2 and any(map(_OTHERS, candidates)):
             first = self._random.randrange(count)
             second = self._random.randrange(count - 1)
             second += second >= first
             one, two = candidates[first], candidates[second]
-            return one if one._score <= two._score else two
+            return one if score(one) <= score(two) else two
         # min() keeps the first of equals, so rotating the start spreads exact ties.
         start = self._turn % len(candidates)
         self._turn += 1
-        return min((*candidates[start:], *candidates[:start]), key=_SCORE)
+        return min((*candidates[start:], *candidates[:start]), key=score)
 
 
 class FirstPrefixBlockPolicy(Policy):
@@ -438,15 +471,17 @@ class FirstPrefixBlockPolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate | Choice:
         """The first candidate in the first block's rendezvous order that is under its bound."""
-        block_size, seeds, capacity = self._prepared(candidates)
+        block_size, seeds, weights = self._prepared(candidates)
         tokens = request.prompt_tokens
         if len(tokens) < block_size:
             return Choice(self._balance.least_loaded(candidates), RoutingPolicy.LOAD_BALANCED)
         key = _first_block_key(tokens, block_size)
-        return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
+        return _rendezvous(candidates, seeds, weights, key, self.load_factor)
 
-    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, list[int], int]:
-        """The hashed block size (the smallest), each candidate's seed, their capacity."""
+    def _prepare(
+        self, candidates: Sequence[Candidate]
+    ) -> tuple[int, list[int], tuple[int, int | None]]:
+        """The hashed block size (the smallest), each candidate's seed, their weights."""
         sizes = sorted({c.block_size for c in candidates})
         if len(sizes) > 1 and tuple(sizes) not in self._warned:
             self._warned.add(tuple(sizes))
@@ -456,7 +491,7 @@ class FirstPrefixBlockPolicy(Policy):
                 sizes,
                 sizes[0],
             )
-        return sizes[0], [c._seed for c in candidates], sum(c.capacity for c in candidates)
+        return sizes[0], [c._seed for c in candidates], _weights(candidates)
 
 
 class SessionPolicy(Policy):
@@ -482,18 +517,20 @@ class SessionPolicy(Policy):
         key = request.session_key
         if key is None:
             return Choice(self._balance.least_loaded(candidates), RoutingPolicy.LOAD_BALANCED)
-        seeds, capacity = self._prepared(candidates)
-        return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
+        seeds, weights = self._prepared(candidates)
+        return _rendezvous(candidates, seeds, weights, key, self.load_factor)
 
 
-def _seeds_and_capacity(candidates: Sequence[Candidate]) -> tuple[list[int], int]:
-    return [c._seed for c in candidates], sum(c.capacity for c in candidates)
+def _seeds_and_capacity(
+    candidates: Sequence[Candidate],
+) -> tuple[list[int], tuple[int, int | None]]:
+    return [c._seed for c in candidates], _weights(candidates)
 
 
 def _rendezvous(
     candidates: Sequence[Candidate],
     seeds: list[int],
-    capacity: int,
+    weights: tuple[int, int | None],
     key: int,
     load_factor: float | None,
 ) -> Candidate:
@@ -502,14 +539,16 @@ def _rendezvous(
     chosen = candidates[scores.index(max(scores))]
     if load_factor is None or len(candidates) == 1:
         return chosen
+    capacity, cap = weights
     scale = _bound_scale(candidates, load_factor, capacity)
-    if chosen.load < scale * chosen.capacity:
+    if chosen.load < scale * _weight(chosen, cap):
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
     order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
     return next(
-        (c for c in map(candidates.__getitem__, order) if c.load < scale * c.capacity), chosen
+        (c for c in map(candidates.__getitem__, order) if c.load < scale * _weight(c, cap)),
+        chosen,
     )
 
 
@@ -600,7 +639,7 @@ class LongestPrefixPolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
         """The best-matching candidate if under its bound and the gap, else the least loaded."""
-        by_block, by_id, capacity = self._prepared(candidates)
+        by_block, by_id, (capacity, cap) = self._prepared(candidates)
         chains: dict[int, list[int]] = {}
         best_tokens = 0
         holders: set[str] = set()
@@ -612,11 +651,13 @@ class LongestPrefixPolicy(Policy):
         least = self._balance.least_loaded(candidates)
         chosen, policy = least, RoutingPolicy.LOAD_BALANCED
         if holders:
-            best = min(map(by_id.__getitem__, holders), key=lambda c: (c._score, c.engine_id))
-            gap = best.load / best.capacity - least.load / least.capacity
+            score = _scorer(cap)
+            best = min(map(by_id.__getitem__, holders), key=lambda c: (score(c), c.engine_id))
+            weight = _weight(best, cap)
+            gap = best.load / weight - least.load / _weight(least, cap)
             if gap <= self.load_gap and (
                 self.load_factor is None
-                or best.load < best.capacity * _bound_scale(candidates, self.load_factor, capacity)
+                or best.load < weight * _bound_scale(candidates, self.load_factor, capacity)
             ):
                 chosen, policy = best, RoutingPolicy.LONGEST_PREFIX
         # total_kv_blocks=0 means not advertised: then the option alone bounds the index.
@@ -632,15 +673,15 @@ class LongestPrefixPolicy(Policy):
     @staticmethod
     def _prepare(
         candidates: Sequence[Candidate],
-    ) -> tuple[dict[int, frozenset[str]], dict[str, Candidate], int]:
-        """The candidates' ids per block size, the candidates by id, their capacity."""
+    ) -> tuple[dict[int, frozenset[str]], dict[str, Candidate], tuple[int, int | None]]:
+        """The candidates' ids per block size, the candidates by id, their weights."""
         by_block: dict[int, set[str]] = {}
         for c in candidates:
             by_block.setdefault(c.block_size, set()).add(c.engine_id)
         return (
             {size: frozenset(ids) for size, ids in by_block.items()},
             {c.engine_id: c for c in candidates},
-            sum(c.capacity for c in candidates),
+            _weights(candidates),
         )
 
 
@@ -709,8 +750,9 @@ class KvAwarePolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
         """The candidate with the best score under its bound, else the least loaded."""
-        groups, capacity = self._prepared(candidates)
+        groups, (capacity, cap) = self._prepared(candidates)
         least = self._balance.least_loaded(candidates)
+        score_of = _scorer(cap)
         tokens = request.prompt_tokens
         scale = (
             math.inf
@@ -731,13 +773,16 @@ class KvAwarePolicy(Policy):
             estimated |= estimated_here
             cost = weight * len(hashes)
             for candidate, blocks in cached.items():
-                if candidate.load >= scale * candidate.capacity:
+                weighs = _weight(candidate, cap)
+                if candidate.load >= scale * weighs:
                     continue  # over its bound
-                score = blocks - cost * candidate.load / candidate.capacity
-                if score > best_score or (score == best_score and candidate._score < best._score):
+                score = blocks - cost * candidate.load / weighs
+                if score > best_score or (
+                    score == best_score and score_of(candidate) < score_of(best)
+                ):
                     best, best_score, best_cached = candidate, score, blocks * size
         self.fallbacks += len(estimated)
-        unmatched = -weight * len(hashes_of[least.block_size]) * least.load / least.capacity
+        unmatched = -weight * len(hashes_of[least.block_size]) * least.load / _weight(least, cap)
         if best_cached and best_score > unmatched:  # else no cache is worth its load
             chosen, policy = best, RoutingPolicy.KV_AWARE
         else:
@@ -820,12 +865,12 @@ def _lazy_iter(hashes: LazyBlockHashes) -> Iterator[int]:
 
 def _by_block_size(
     candidates: Sequence[Candidate],
-) -> tuple[dict[int, tuple[Candidate, ...]], int]:
-    """The candidates per block size, and their capacity."""
+) -> tuple[dict[int, tuple[Candidate, ...]], tuple[int, int | None]]:
+    """The candidates per block size, and their weights."""
     groups: dict[int, list[Candidate]] = {}
     for c in candidates:
         groups.setdefault(c.block_size, []).append(c)
-    return {size: tuple(g) for size, g in groups.items()}, sum(c.capacity for c in candidates)
+    return {size: tuple(g) for size, g in groups.items()}, _weights(candidates)
 
 
 def _check_index_blocks(prefix_index_blocks: object) -> int:
