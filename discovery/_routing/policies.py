@@ -432,6 +432,11 @@ class LoadBalancedPolicy(Policy):
         self._turn = 0
         self._random = random.Random(random.getrandbits(64))  # each router draws its own
         self._weights = _PerCandidateSet(_weights)
+        # The last set's score: a router picks from one set most of the time.
+        self._scored: tuple[Sequence[Candidate] | None, Callable[[Candidate], float]] = (
+            None,
+            _SCORE,
+        )
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate:
         """The least-loaded candidate."""
@@ -442,7 +447,10 @@ class LoadBalancedPolicy(Policy):
         count = len(candidates)
         if count == 1:
             return candidates[0]
-        score = _scorer(self._weights(candidates)[1])
+        last, score = self._scored
+        if last is not candidates:
+            score = _scorer(self._weights(candidates)[1])
+            self._scored = (candidates, score)
         if count > 2 and any(map(_OTHERS, candidates)):
             first = self._random.randrange(count)
             second = self._random.randrange(count - 1)
@@ -541,7 +549,7 @@ def _rendezvous(
         return chosen
     capacity, cap = weights
     scale = _bound_scale(candidates, load_factor, capacity)
-    if chosen.load < scale * _weight(chosen, cap):
+    if chosen.load < scale * (chosen.capacity if cap is None else min(chosen.capacity, cap)):
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
@@ -773,7 +781,7 @@ class KvAwarePolicy(Policy):
             estimated |= estimated_here
             cost = weight * len(hashes)
             for candidate, blocks in cached.items():
-                weighs = _weight(candidate, cap)
+                weighs = candidate.capacity if cap is None else min(candidate.capacity, cap)
                 if candidate.load >= scale * weighs:
                     continue  # over its bound
                 score = blocks - cost * candidate.load / weighs
