@@ -53,8 +53,10 @@ record states: a record that lies (a buggy or hostile writer's ``max_num_seqs`` 
 inside the codec's bounds) would take every pick. So among any candidate set an engine
 weighs at most ``MAX_MEDIAN_MULTIPLE`` (2) times the set's median capacity (the upper median:
 with two engines, neither is capped): in the score, the load bound and the utilisation.
-One such engine among ``N`` takes at most ``2 / (N + 1)`` of the load; an honest fleet whose
-engines are within twice the median, the usual case, is weighed as before.
+In such a set the least loaded is the lowest ``load / weight`` (idle engines tie, and ties
+rotate), so one such engine among ``N`` holds at most ``2 / (N + 1)`` of the requests in
+flight and takes an idle fleet's picks in turn with the others. An honest fleet whose
+engines are within twice the median, the usual case, is routed exactly as before.
 
 **Hashing** is deterministic across processes and machines: prompt tokens are packed as
 little-endian int64 and hashed with BLAKE2b (64-bit digests; block ``i``'s hash covers
@@ -395,8 +397,12 @@ def _weight(candidate: Candidate, cap: int | None) -> int:
 
 
 def _scorer(cap: int | None) -> Callable[[Candidate], float]:
-    """``(load + 1) / weight``: the candidates' own score unless ``cap`` caps a weight."""
-    return _SCORE if cap is None else lambda c: (c.load + 1) / min(c.capacity, cap)
+    """The candidates' own score; where ``cap`` caps a weight, ``load / weight``.
+
+    Any ``(load + 1) / weight`` prefers the heaviest of idle engines: among engines a lie
+    may be in, idle ones tie on their utilisation (0), and ties rotate.
+    """
+    return _SCORE if cap is None else lambda c: c.load / min(c.capacity, cap)
 
 
 # -- the built-in policies -------------------------------------------------------------
