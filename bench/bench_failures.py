@@ -67,6 +67,14 @@ def environment(scenario: Scenario, run: int, shared: EtcdCluster) -> Iterator[E
         finally:
             cluster.stop()
         return
+    if scenario.etcd == "auth":
+        cluster = catalogue.auth_cluster()
+        cluster.start()
+        try:
+            yield Env(catalogue.enable_auth(cluster, namespace), cluster)
+        finally:
+            cluster.stop()
+        return
     with etcd_cluster(1 if scenario.etcd == "single" else 3) as cluster:
         yield Env(
             Settings(endpoints=cluster.endpoints, namespace=namespace, dial_timeout=10), cluster

@@ -55,6 +55,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import logging
 import os
 import random
 import signal
@@ -73,6 +74,7 @@ from discovery import (
     EtcdUnavailableError,
     EventType,
     NoEngineAvailableError,
+    RecordDecodeError,
     Router,
     RoutingTable,
     Settings,
@@ -87,6 +89,7 @@ from .helpers import (
     Registrar,
     connected_member,
     etcdctl,
+    make_endpoint,
     raw_call,
     wait_for,
 )
@@ -399,6 +402,10 @@ class Checker:
         for kv in kvs:
             key = kv.key.decode()
             engine_id = key.rsplit("/", 1)[1]
+            try:
+                self._settings.keyspace.decode(key, kv.value)
+            except RecordDecodeError:
+                continue  # no reader accepts it: no engine (the poisoned-record scenario)
             stored[engine_id] = (key, kv.mod_revision)
             with contextlib.suppress(ValueError, KeyError):
                 addresses.append(json.loads(kv.value)["coordinator_address"])
@@ -535,6 +542,7 @@ TIMINGS = frozenset(
         "states_complete",
         "told_after_evict",
         "victim_evict",
+        "late_seen",
     }
 )
 
@@ -834,7 +842,7 @@ class Scenario:
     name: str
     replays: str
     failure: str
-    etcd: str  # "shared" (any etcd), "single" (a private member), "three", "netns"
+    etcd: str  # "shared" (any etcd), "single" (a private member), "three", "netns", "auth"
     play: Callable[[Run], Figures]
     limits: Mapping[str, float]
     returns: bool = False  # the engines the fault hit come back
@@ -1306,6 +1314,163 @@ def router_restart(run: Run) -> Figures:
     return run.finish()
 
 
+# A 1 MB value (over the 16 KiB a reader accepts) and one claiming 10**400 KV blocks (over
+# the bound of 2**40), each written by hand, once, under the namespace.
+POISONED = ("poisoned-huge", "poisoned-liar")
+
+
+def _poisoned_values() -> dict[str, str]:
+    values = {}
+    for index, engine_id in enumerate(POISONED):
+        endpoint = make_endpoint(100 + index).to_dict()
+        value: dict[str, Any] = {"engine_id": engine_id, **endpoint}
+        if engine_id == "poisoned-huge":
+            value["padding"] = "x" * 1_000_000
+        else:
+            value["capabilities"]["total_kv_blocks"] = 10**400
+        values[engine_id] = json.dumps(value)
+    return values
+
+
+class _Warnings(logging.Handler):
+    """The router process's WARNINGs that name one of ``keys``, per key."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.counts = dict.fromkeys(keys, 0)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for key in self.counts:
+            if f"{key}'" in message:
+                self.counts[key] += 1
+
+
+def poisoned_record(run: Run) -> Figures:
+    """Two lying records put by hand beside two engines: none accepted, none picked."""
+    run.launch("victim")
+    run.launch("peer")
+    run.route()
+    run.ready()
+    assert run.table is not None
+    keys = {e: run.settings.keyspace.key(e) for e in POISONED}
+    warnings = _Warnings(list(keys.values()))
+    logger = logging.getLogger("discovery")
+    logger.addHandler(warnings)
+    run._stack.callback(logger.removeHandler, warnings)
+    conn, values = run.checker.conn, _poisoned_values()
+
+    def poison() -> None:
+        for engine_id, key in keys.items():
+            raw_call(conn, lambda client, k=key, v=values[engine_id]: client.put(k, v))
+
+    run.fail(None, poison)
+    table, skipped = run.table, len(POISONED)
+    assert table.watcher is not None
+    watcher = table.watcher
+    wait_for(lambda: watcher.health().skipped >= skipped, message="both values skipped")
+    # A load-weighing router over the same table: the policy a 10**400 lie used to win.
+    auto = Router(table, policy="auto")
+    held = [auto.pick([1] * 64, 1) for _ in range(60)]
+    auto_picks = sum(h.engine_id in keys for h in held)
+    for handle in held:
+        handle.release()
+    run.recover()
+    figures = run.finish()
+    picks = [p for c in run._clients for p in c.picks if p.at >= (run.failure_at or 0)]
+    figures.extra["accepted"] = float(
+        sum(run.log.count(e, EventType.ADDED, run.failure_at or 0) for e in POISONED)
+    )
+    figures.extra["poisoned_picks"] = float(
+        auto_picks + sum(1 for p in picks if p.engine_id in keys)
+    )
+    figures.extra["warnings"] = float(max(warnings.counts.values()))
+    figures.extra["unwarned"] = float(min(warnings.counts.values()) == 0)
+    return figures
+
+
+AUTH_TOKEN_TTL = 2  # s: etcd's --auth-token-ttl here (its default is 300)
+_AUTH_PASSWORD = "catalogue-only-password"  # a throwaway cluster's, never printed
+
+
+def auth_cluster() -> EtcdCluster:
+    """A private member whose auth tokens expire ``AUTH_TOKEN_TTL`` s after their last use."""
+    return EtcdCluster(1, extra_args=["--auth-token-ttl", str(AUTH_TOKEN_TTL)])
+
+
+def _ctl(cluster: EtcdCluster, *args: str, root: bool = True) -> None:
+    user = ["--user", f"root:{_AUTH_PASSWORD}"] if root else []
+    done = cluster.etcdctl(*user, *args)
+    assert done.returncode == 0, f"etcdctl {args[:2]}: {done.stderr.strip()}"
+
+
+def enable_auth(cluster: EtcdCluster, namespace: str) -> Settings:
+    """Auth on (a root user), and root's settings in ``namespace`` (the checker's)."""
+    _ctl(cluster, "user", "add", f"root:{_AUTH_PASSWORD}", root=False)
+    _ctl(cluster, "user", "grant-role", "root", "root", root=False)
+    _ctl(cluster, "auth", "enable", root=False)
+    return _auth_settings(cluster.endpoints, namespace, "root")
+
+
+def _auth_settings(endpoints: Sequence[str], namespace: str, user: str) -> Settings:
+    return Settings(
+        endpoints=list(endpoints),
+        namespace=namespace,
+        username=user,
+        password=_AUTH_PASSWORD,
+        allow_insecure_auth=True,  # plaintext loopback etcd: opted in to, explicitly
+        dial_timeout=10,
+    )
+
+
+def auth_token_expiry(run: Run) -> Figures:
+    """Engines (readwrite on their prefix) and a router (read only) whose tokens expire."""
+    cluster, prefix = run.cluster, run.settings.keyspace.prefix
+    for user, permission in (("engine", "readwrite"), ("router", "read")):
+        _ctl(cluster, "role", "add", user)
+        _ctl(cluster, "role", "grant-permission", user, permission, prefix, "--prefix=true")
+        _ctl(cluster, "user", "add", f"{user}:{_AUTH_PASSWORD}")
+        _ctl(cluster, "user", "grant-role", user, user)
+    engine = {
+        "DISCOVERY_ETCD_USERNAME": "engine",
+        "DISCOVERY_ETCD_PASSWORD": _AUTH_PASSWORD,
+        "DISCOVERY_ALLOW_INSECURE_AUTH": "1",
+    }
+    victim = run.register("victim", env=engine)
+    run.register("peer", env=engine)
+    table = run.route(_auth_settings(cluster.endpoints, run.settings.namespace, "router"))
+    run.ready()
+    assert table.watcher is not None
+    router_conn = table.watcher._conn
+    token = router_conn._current().metadata
+    # Every token the engines and the router authenticated with expires meanwhile (three
+    # TTLs; a token used only to open a stream is not renewed by it).
+    run._pause(3 * AUTH_TOKEN_TTL)
+    # A call on the router's connection (a relist, as after a compaction) meets its
+    # expired token and authenticates again: the expiry happened, and is ridden out.
+    _, listed = router_conn.call(lambda: router_conn.list_prefix(prefix))
+    run.extra["token_kept"] = float(router_conn._current().metadata == token)
+    run.extra["relist_short"] = float(len(listed) < len(run.engines))
+    run.fail(victim, victim.kill)  # the router's watch, opened long ago, must see it
+    run.evicted(timeout=TTL + 10)
+    late = run.register("late", env=engine)  # the watch's delivery of a new record
+    conn, key = run.checker.conn, run.settings.keyspace.key("late")
+    written = wait_for(
+        lambda: conn.call(lambda: conn.get(key)) is not None and time.monotonic(),
+        timeout=30,
+        interval=0.005,
+        message="the late engine's record in etcd",
+    )
+    seen = run.log.wait(
+        lambda: next((at for at, e in run.log.events if e.engine_id == "late"), None), 30
+    )
+    run.extra["late_seen"] = max(0.0, seen - written) if seen is not None else 60.0
+    run.ready(late)
+    run._pause(3 * AUTH_TOKEN_TTL)  # the peer's lease lives on across more expiries
+    run.recover()
+    return run.finish()
+
+
 _FENCE = (
     "`fence_after` bounds the requests lost meanwhile (one fence covers the rest with "
     "`fence_seconds` >= the TTL + 0.5 s)"
@@ -1535,6 +1700,28 @@ SCENARIOS: dict[str, Scenario] = {
             {"failed_picks": 0, "table_complete": 1.0, "states_complete": 2.0},
             knob="nothing: one listing at one revision, then one snapshot per relay",
         ),
+        Scenario(
+            "poisoned-record",
+            "the issue's own (a well-formed lie took 60 of 60 picks)",
+            "a 1 MB record and one claiming 10**400 KV blocks written by hand under the "
+            "namespace beside two engines",
+            "shared",
+            poisoned_record,
+            {"accepted": 0, "poisoned_picks": 0, "warnings": 1, "unwarned": 0},
+            knob="nothing: a value over 16 KiB or a capacity over 2**40 is refused like a "
+            "malformed one (`discovery list` shows it refused, with why)",
+        ),
+        Scenario(
+            "auth-token-expiry",
+            "python-etcd3 #1227 (an expired auth token can hang a watch)",
+            f"etcd with auth and {AUTH_TOKEN_TTL} s tokens (`--auth-token-ttl`): engines "
+            "(readwrite) and a router (read only) run 3 token lifetimes, then the victim is "
+            "SIGKILLed and a new engine registers",
+            "auth",
+            auth_token_expiry,
+            {"evict": TTL + 0.5, "late_seen": 1.0, "token_kept": 0, "relist_short": 0},
+            knob="nothing: an expired token is replaced at the next call or stream",
+        ),
     )
 }
 
@@ -1574,6 +1761,13 @@ LABELS = {
     "failed_alive": "failed requests to live engines",
     "victim_evict": "an engine killed during the cut evicted in",
     "victim_failed": "its unanswered requests",
+    "accepted": "lying records accepted",
+    "poisoned_picks": "their picks",
+    "warnings": "WARNINGs per record",
+    "unwarned": "records not warned of",
+    "late_seen": "an engine registered after the expiries seen in",
+    "token_kept": "router's first token still in use",
+    "relist_short": "relists after the expiry missing an engine",
 }
 
 

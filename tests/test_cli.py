@@ -57,7 +57,8 @@ def test_list_json_and_table(settings: Settings) -> None:
 
 def test_list_refuses_a_record_that_lies_saying_why(settings: Settings) -> None:
     """Issue 43 item 3: a 1 MB record and one claiming 10**400 KV blocks, put by hand, are
-    not listed (the JSON stays small); stderr names each key and why."""
+    not listed (the JSON stays small); stderr names each key and why, JSON's "refused" list
+    too, and the tables show each as a refused row (its key, why) after the engines."""
     liar = json.loads(encode(EngineRecord(engine_id="liar", endpoint=make_endpoint(1))))
     liar["capabilities"]["total_kv_blocks"] = 10**400
     huge = {
@@ -71,15 +72,30 @@ def test_list_refuses_a_record_that_lies_saying_why(settings: Settings) -> None:
             raw_call(conn, lambda client, k=key, v=value: client.put(k, json.dumps(v)))
         with register_engine(make_endpoint(3), engine_id="good", ttl=30, settings=settings):
             result = run_cli(settings, "list", "--format", "json")
+            tables = {fmt: run_cli(settings, "list", "-o", fmt) for fmt in ("table", "wide")}
     finally:
         conn.close()
     assert result.returncode == 0, result.stderr
-    assert [e["engine_id"] for e in json.loads(result.stdout)["engines"]] == ["good"]
+    listed = json.loads(result.stdout)
+    assert [e["engine_id"] for e in listed["engines"]] == ["good"]
     assert len(result.stdout) < 10_000
     warnings = result.stderr.splitlines()
     assert len(warnings) == 2, warnings
     assert any("/liar" in w and "total_kv_blocks is about 10**400, over" in w for w in warnings)
     assert any("/huge" in w and "over the 16384-byte limit of a record" in w for w in warnings)
+    liar_key, huge_key = settings.keyspace.key("liar"), settings.keyspace.key("huge")
+    refused = {r["key"]: r["reason"] for r in listed["refused"]}
+    assert set(refused) == {liar_key, huge_key}
+    assert "total_kv_blocks is about 10**400, over" in refused[liar_key]
+    assert refused[huge_key].endswith("over the 16384-byte limit of a record")
+    for fmt, table in tables.items():
+        assert table.returncode == 0, (fmt, table.stderr)
+        lines = table.stdout.splitlines()
+        assert lines[0].startswith("ENGINE") and lines[1].startswith("good "), fmt
+        assert lines[2:4] == ["(1 engines)", f"{'REFUSED KEY':<{len(liar_key)}}  WHY"], fmt
+        rows = dict(line.split(None, 1) for line in lines[4:6])
+        assert rows == refused, fmt
+        assert lines[6] == "(2 refused)", fmt
 
 
 def test_list_takes_set_based_selectors(settings: Settings) -> None:

@@ -23,6 +23,7 @@ from discovery.testing.embedded import EtcdCluster
 
 from . import catalogue
 from .catalogue import SCENARIOS, SHORT, Env
+from .conftest import _checked_cluster
 
 SLACK = 0.5
 
@@ -64,10 +65,17 @@ def test_in_network_namespaces(name: str, netns_etcd3: EtcdCluster) -> None:
     _check(name, _private(netns_etcd3, name))
 
 
+@pytest.mark.external
+@pytest.mark.parametrize("name", _names("auth"))
+def test_with_auth_and_short_tokens(name: str) -> None:
+    with _checked_cluster(catalogue.auth_cluster()) as cluster:
+        _check(name, Env(catalogue.enable_auth(cluster, f"catalogue-{name}"), cluster))
+
+
 def test_every_scenario_has_a_report_a_failure_and_limits() -> None:
     for scenario in SCENARIOS.values():
         assert scenario.replays and scenario.failure and scenario.limits, scenario.name
-        assert scenario.etcd in {"shared", "single", "three", "netns"}, scenario.name
+        assert scenario.etcd in {"shared", "single", "three", "netns", "auth"}, scenario.name
 
 
 def test_failure_tables_are_the_recorded_ones() -> None:

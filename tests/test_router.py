@@ -224,6 +224,32 @@ def test_load_balanced_fills_in_proportion_to_slots() -> None:
     assert Counter(router.pick([1], 1).engine_id for _ in range(10)) == {"large": 10}
 
 
+@pytest.mark.parametrize("policy", [*RoutingPolicy, "auto"])
+def test_a_record_that_lies_about_its_slots_takes_at_most_its_share(policy) -> None:
+    """Issue 43 item 3: an engine claiming 10**12 slots and KV blocks (inside the codec's
+    bounds) among 7 of 32 slots weighs twice the median: at most 2/N of 60 picks in flight
+    under every policy, where it took all 60, and of 60 picks one at a time; the others
+    share the rest."""
+    fleet = Fleet()
+    for i in range(7):
+        fleet.add(f"e{i}", i, kv_cache_block_size=16, max_num_seqs=32, policy=LB)
+    lie = {"max_num_seqs": 10**12, "total_kv_blocks": 10**12}
+    fleet.add("liar", 7, policy=LB, kv_cache_block_size=16, **lie)
+    router = Router(fleet.table, policy=policy, states=EngineStates(fleet.table))
+    rng = random.Random(3)
+    held = [router.pick(tokens(rng, 64), 1) for _ in range(60)]
+    loads = router.in_flight()
+    assert loads["liar"] <= 60 * 2 / 8, loads
+    assert sum(loads.values()) == 60 and len([n for n in loads.values() if n]) >= 7, loads
+    for handle in held:
+        handle.release()
+    one_at_a_time: Counter = Counter()
+    for _ in range(60):
+        with router.pick(tokens(rng, 64), 1) as handle:
+            one_at_a_time[handle.engine_id] += 1
+    assert one_at_a_time["liar"] <= 60 * 2 / 8 and len(one_at_a_time) >= 7, one_at_a_time
+
+
 def test_load_balanced_rotates_exact_ties() -> None:
     fleet = Fleet()
     fleet.add_many(4)

@@ -48,6 +48,16 @@ bound. ``load_factor=None`` removes the bound (pure affinity). Loads are this ro
 handles: independent routers agree on an engine's first choice whenever the first engine
 is under each router's bound, and each router bounds only its own traffic.
 
+**What one engine may claim.** Every policy weighs an engine by its capacity, which its
+record states: a record that lies (a buggy or hostile writer's ``max_num_seqs`` of 10**12,
+inside the codec's bounds) would take every pick. So among any candidate set an engine
+weighs at most ``MAX_MEDIAN_MULTIPLE`` (2) times the set's median capacity (the upper median:
+with two engines, neither is capped): in the score, the load bound and the utilisation.
+In such a set the least loaded is the lowest ``load / weight`` (idle engines tie, and ties
+rotate), so one such engine among ``N`` holds at most ``2 / (N + 1)`` of the requests in
+flight and takes an idle fleet's picks in turn with the others. An honest fleet whose
+engines are within twice the median, the usual case, is routed exactly as before.
+
 **Hashing** is deterministic across processes and machines: prompt tokens are packed as
 little-endian int64 and hashed with BLAKE2b (64-bit digests; block ``i``'s hash covers
 tokens ``[0, (i + 1) * block_size)``, so it identifies the whole prefix). An engine's
@@ -118,6 +128,7 @@ _LOAD = attrgetter("load")
 _OTHERS = attrgetter("others")
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
 _KEPT_KEYS = 4096  # rendezvous keys (first blocks, sessions) whose first engine a set keeps
+MAX_MEDIAN_MULTIPLE = 2  # an engine's weight: at most this times its set's median capacity
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -425,6 +436,32 @@ def _bound_scale(candidates: Sequence[Candidate], load_factor: float, capacity: 
     return load_factor * (_total_load(candidates) + 1) / capacity
 
 
+def _weights(candidates: Sequence[Candidate]) -> tuple[int, int | None]:
+    """The candidates' total weight, and the cap on one's weight if some claim more (else None).
+
+    The cap is MAX_MEDIAN_MULTIPLE times the upper median capacity (module docs).
+    """
+    capacities = sorted(c.capacity for c in candidates)
+    cap = MAX_MEDIAN_MULTIPLE * capacities[len(capacities) // 2]
+    if capacities[-1] <= cap:
+        return sum(capacities), None
+    return sum(min(capacity, cap) for capacity in capacities), cap
+
+
+def _weight(candidate: Candidate, cap: int | None) -> int:
+    """``candidate``'s capacity as the policies weigh it: at most ``cap``."""
+    return candidate.capacity if cap is None else min(candidate.capacity, cap)
+
+
+def _scorer(cap: int | None) -> Callable[[Candidate], float]:
+    """The candidates' own score; where ``cap`` caps a weight, ``load / weight``.
+
+    Any ``(load + 1) / weight`` prefers the heaviest of idle engines: among engines a lie
+    may be in, idle ones tie on their utilisation (0), and ties rotate.
+    """
+    return _SCORE if cap is None else lambda c: c.load / min(c.capacity, cap)
+
+
 # -- the built-in policies -------------------------------------------------------------
 
 
@@ -457,26 +494,36 @@ class LoadBalancedPolicy(Policy):
     def __init__(self) -> None:
         self._turn = 0
         self._random = random.Random(random.getrandbits(64))  # each router draws its own
+        self._weights = _PerCandidateSet(_weights)
+        # The last set's score: a router picks from one set most of the time.
+        self._scored: tuple[Sequence[Candidate] | None, Callable[[Candidate], float]] = (
+            None,
+            _SCORE,
+        )
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate:
         """The least-loaded candidate."""
         return self.least_loaded(candidates)
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
-        """The lowest ``(in_flight + 1) / capacity``; exact ties rotate."""
+        """The lowest ``(in_flight + 1) / capacity`` (capped: module docs); exact ties rotate."""
         count = len(candidates)
         if count == 1:
             return candidates[0]
+        last, score = self._scored
+        if last is not candidates:
+            score = _scorer(self._weights(candidates)[1])
+            self._scored = (candidates, score)
         if count > 2 and _others_hold(candidates):
             first = self._random.randrange(count)
             second = self._random.randrange(count - 1)
             second += second >= first
             one, two = candidates[first], candidates[second]
-            return one if one._score <= two._score else two
+            return one if score(one) <= score(two) else two
         # The first of the lowest at or after a rotating start spreads exact ties.
         start = self._turn % len(candidates)
         self._turn += 1
-        scores = list(map(_SCORE, candidates))
+        scores = list(map(score, candidates))
         lowest = min(scores)
         try:
             return candidates[scores.index(lowest, start)]
@@ -500,15 +547,17 @@ class FirstPrefixBlockPolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Candidate | Choice:
         """The first candidate in the first block's rendezvous order that is under its bound."""
-        block_size, seeds, capacity = self._prepared(candidates)
+        block_size, seeds, weights = self._prepared(candidates)
         tokens = request.prompt_tokens
         if len(tokens) < block_size:
             return Choice(self._balance.least_loaded(candidates), RoutingPolicy.LOAD_BALANCED)
         key = _first_block_key(tokens, block_size)
-        return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
+        return _rendezvous(candidates, seeds, weights, key, self.load_factor)
 
-    def _prepare(self, candidates: Sequence[Candidate]) -> tuple[int, _Seeds, int]:
-        """The hashed block size (the smallest), each candidate's seed, their capacity."""
+    def _prepare(
+        self, candidates: Sequence[Candidate]
+    ) -> tuple[int, _Seeds, tuple[int, int | None]]:
+        """The hashed block size (the smallest), each candidate's seed, their weights."""
         sizes = sorted({c.block_size for c in candidates})
         if len(sizes) > 1 and tuple(sizes) not in self._warned:
             self._warned.add(tuple(sizes))
@@ -518,7 +567,7 @@ class FirstPrefixBlockPolicy(Policy):
                 sizes,
                 sizes[0],
             )
-        return sizes[0], _Seeds(candidates), sum(c.capacity for c in candidates)
+        return sizes[0], _Seeds(candidates), _weights(candidates)
 
 
 class SessionPolicy(Policy):
@@ -544,12 +593,14 @@ class SessionPolicy(Policy):
         key = request.session_key
         if key is None:
             return Choice(self._balance.least_loaded(candidates), RoutingPolicy.LOAD_BALANCED)
-        seeds, capacity = self._prepared(candidates)
-        return _rendezvous(candidates, seeds, capacity, key, self.load_factor)
+        seeds, weights = self._prepared(candidates)
+        return _rendezvous(candidates, seeds, weights, key, self.load_factor)
 
 
-def _seeds_and_capacity(candidates: Sequence[Candidate]) -> tuple[_Seeds, int]:
-    return _Seeds(candidates), sum(c.capacity for c in candidates)
+def _seeds_and_capacity(
+    candidates: Sequence[Candidate],
+) -> tuple[_Seeds, tuple[int, int | None]]:
+    return _Seeds(candidates), _weights(candidates)
 
 
 class _Seeds:
@@ -584,7 +635,7 @@ class _Seeds:
 def _rendezvous(
     candidates: Sequence[Candidate],
     seeds: _Seeds,
-    capacity: int,
+    weights: tuple[int, int | None],
     key: int,
     load_factor: float | None,
 ) -> Candidate:
@@ -592,15 +643,17 @@ def _rendezvous(
     chosen = candidates[seeds.first(key)]
     if load_factor is None or len(candidates) == 1:
         return chosen
+    capacity, cap = weights
     scale = _bound_scale(candidates, load_factor, capacity)
-    if chosen.load < scale * chosen.capacity:
+    if chosen.load < scale * (chosen.capacity if cap is None else min(chosen.capacity, cap)):
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
     scores = seeds.scores(key)
     order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
     return next(
-        (c for c in map(candidates.__getitem__, order) if c.load < scale * c.capacity), chosen
+        (c for c in map(candidates.__getitem__, order) if c.load < scale * _weight(c, cap)),
+        chosen,
     )
 
 
@@ -691,7 +744,7 @@ class LongestPrefixPolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
         """The best-matching candidate if under its bound and the gap, else the least loaded."""
-        by_block, by_id, capacity = self._prepared(candidates)
+        by_block, by_id, (capacity, cap) = self._prepared(candidates)
         chains: dict[int, list[int]] = {}
         best_tokens = 0
         holders: set[str] = set()
@@ -703,11 +756,13 @@ class LongestPrefixPolicy(Policy):
         least = self._balance.least_loaded(candidates)
         chosen, policy = least, RoutingPolicy.LOAD_BALANCED
         if holders:
-            best = min(map(by_id.__getitem__, holders), key=lambda c: (c._score, c.engine_id))
-            gap = best.load / best.capacity - least.load / least.capacity
+            score = _scorer(cap)
+            best = min(map(by_id.__getitem__, holders), key=lambda c: (score(c), c.engine_id))
+            weight = _weight(best, cap)
+            gap = best.load / weight - least.load / _weight(least, cap)
             if gap <= self.load_gap and (
                 self.load_factor is None
-                or best.load < best.capacity * _bound_scale(candidates, self.load_factor, capacity)
+                or best.load < weight * _bound_scale(candidates, self.load_factor, capacity)
             ):
                 chosen, policy = best, RoutingPolicy.LONGEST_PREFIX
         # total_kv_blocks=0 means not advertised: then the option alone bounds the index.
@@ -723,15 +778,15 @@ class LongestPrefixPolicy(Policy):
     @staticmethod
     def _prepare(
         candidates: Sequence[Candidate],
-    ) -> tuple[dict[int, frozenset[str]], dict[str, Candidate], int]:
-        """The candidates' ids per block size, the candidates by id, their capacity."""
+    ) -> tuple[dict[int, frozenset[str]], dict[str, Candidate], tuple[int, int | None]]:
+        """The candidates' ids per block size, the candidates by id, their weights."""
         by_block: dict[int, set[str]] = {}
         for c in candidates:
             by_block.setdefault(c.block_size, set()).add(c.engine_id)
         return (
             {size: frozenset(ids) for size, ids in by_block.items()},
             {c.engine_id: c for c in candidates},
-            sum(c.capacity for c in candidates),
+            _weights(candidates),
         )
 
 
@@ -803,8 +858,9 @@ class KvAwarePolicy(Policy):
 
     def choose(self, candidates: Sequence[Candidate], request: PickRequest) -> Choice:
         """The candidate with the best score under its bound, else the least loaded."""
-        groups, capacity = self._prepared(candidates)
+        groups, (capacity, cap) = self._prepared(candidates)
         least = self._balance.least_loaded(candidates)
+        score_of = _scorer(cap)
         tokens = request.prompt_tokens
         scale = (
             math.inf
@@ -825,13 +881,16 @@ class KvAwarePolicy(Policy):
             estimated |= estimated_here
             cost = weight * len(hashes)
             for candidate, blocks in cached.items():
-                if candidate.load >= scale * candidate.capacity:
+                weighs = candidate.capacity if cap is None else min(candidate.capacity, cap)
+                if candidate.load >= scale * weighs:
                     continue  # over its bound
-                score = blocks - cost * candidate.load / candidate.capacity
-                if score > best_score or (score == best_score and candidate._score < best._score):
+                score = blocks - cost * candidate.load / weighs
+                if score > best_score or (
+                    score == best_score and score_of(candidate) < score_of(best)
+                ):
                     best, best_score, best_cached = candidate, score, blocks * size
         self.fallbacks += len(estimated)
-        unmatched = -weight * len(hashes_of[least.block_size]) * least.load / least.capacity
+        unmatched = -weight * len(hashes_of[least.block_size]) * least.load / _weight(least, cap)
         if best_cached and best_score > unmatched:  # else no cache is worth its load
             chosen, policy = best, RoutingPolicy.KV_AWARE
         else:
@@ -922,12 +981,12 @@ def _lazy_iter(hashes: LazyBlockHashes) -> Iterator[int]:
 
 def _by_block_size(
     candidates: Sequence[Candidate],
-) -> tuple[dict[int, tuple[Candidate, ...]], int]:
-    """The candidates per block size, and their capacity."""
+) -> tuple[dict[int, tuple[Candidate, ...]], tuple[int, int | None]]:
+    """The candidates per block size, and their weights."""
     groups: dict[int, list[Candidate]] = {}
     for c in candidates:
         groups.setdefault(c.block_size, []).append(c)
-    return {size: tuple(g) for size, g in groups.items()}, sum(c.capacity for c in candidates)
+    return {size: tuple(g) for size, g in groups.items()}, _weights(candidates)
 
 
 def _check_index_blocks(prefix_index_blocks: object) -> int:

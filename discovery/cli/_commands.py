@@ -22,6 +22,7 @@ from discovery import (
     EngineStates,
     ListedEngine,
     Metrics,
+    RecordDecodeError,
     RegistrationState,
     Router,
     Selector,
@@ -214,9 +215,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     selector = selector_from_args(args)
     split = split_from_args(args)
     listing = list_engines(settings, selector=selector, lease_ttls=True)
-    for skipped in listing.skipped:
-        print(f"warning: skipping {skipped}", file=sys.stderr)
     if args.format == "json":
+        # The tables show refused values as rows; JSON's reader is a tool: warn its user too.
+        for skipped in listing.skipped:
+            print(f"warning: skipping {skipped}", file=sys.stderr)
         out = [
             {
                 **engine.record.to_value(),
@@ -226,16 +228,29 @@ def cmd_list(args: argparse.Namespace) -> int:
             }
             for engine in listing.engines
         ]
-        print(json.dumps({"revision": listing.revision, "engines": out}, indent=2))
+        # A list of their own: tools reading "engines" stay as they were.
+        refused = [{"key": s.key, "reason": s.reason} for s in listing.skipped]
+        print(
+            json.dumps({"revision": listing.revision, "engines": out, "refused": refused}, indent=2)
+        )
         return 0
     if args.format == "wide":
         cells, shares = _relayed(settings, selector, listing.engines, split)
-        print(_table(listing.engines, cells))
+        print(_table(listing.engines, cells) + _refused(listing.skipped))
         if shares:
             print(shares)
         return 0
-    print(_table(listing.engines))
+    print(_table(listing.engines) + _refused(listing.skipped))
     return 0
+
+
+def _refused(skipped: tuple[RecordDecodeError, ...]) -> str:
+    """The refused values' rows (key as etcdctl shows it, and why), after the engines'."""
+    if not skipped:
+        return ""
+    width = max(len("REFUSED KEY"), *(len(s.key) for s in skipped))
+    rows = [f"{'REFUSED KEY':<{width}}  WHY", *(f"{s.key:<{width}}  {s.reason}" for s in skipped)]
+    return "\n" + "\n".join(rows) + f"\n({len(skipped)} refused)"
 
 
 # How long `list -o wide` waits for the engines' state relays to answer.
