@@ -7,6 +7,8 @@
     │   └── InvalidSelectorError            a label selector that does not parse (names the term)
     ├── EtcdError                           etcd answered with, or failed by, a runtime error
     │   ├── EtcdUnavailableError            no member reachable / timed out after retries
+    │   ├── EtcdNoSpaceError                etcd's space quota is full (NOSPACE): writes refused
+    │   ├── RequestTooLargeError            a request over etcd's --max-request-bytes
     │   ├── PermissionDeniedError           authentication failed or the role lacks permission
     │   └── EngineConflictError             the engine id is held by another live lease
     ├── NoEngineAvailableError              no engine in the routing table can serve a request
@@ -26,6 +28,7 @@ __all__ = [
     "DiscoveryError",
     "EngineConflictError",
     "EtcdError",
+    "EtcdNoSpaceError",
     "EtcdUnavailableError",
     "InvalidRecordError",
     "InvalidSelectorError",
@@ -34,6 +37,7 @@ __all__ = [
     "OverloadedError",
     "PermissionDeniedError",
     "RecordDecodeError",
+    "RequestTooLargeError",
 ]
 
 
@@ -89,6 +93,44 @@ class EtcdUnavailableError(EtcdError):
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class EtcdNoSpaceError(EtcdError):
+    """etcd's backend reached its space quota (the NOSPACE alarm): it refuses every write.
+
+    Not transient: etcd answers at once and goes on refusing until an operator frees space
+    and disarms the alarm; the message says how. Reads, watches and keepalives still work,
+    so registrations keep their leases and records meanwhile.
+    """
+
+    RUNBOOK = (
+        "free space, then disarm the alarm: `etcdctl endpoint status -w json` (the revision), "
+        "`etcdctl compact <revision>`, `etcdctl defrag`, `etcdctl alarm disarm` "
+        '(docs/operations/etcd.md, "Space quota exceeded")'
+    )
+
+    def __init__(self, details: str) -> None:
+        super().__init__(
+            f"etcd refused the write, its space quota is full ({details}); {self.RUNBOOK}"
+        )
+        self.details = details
+
+
+class RequestTooLargeError(EtcdError):
+    """etcd refused a request larger than its ``--max-request-bytes``.
+
+    ``size`` is what the request carried (keys and values, in bytes), ``limit`` etcd's
+    default limit (1,572,864 bytes) unless the member was started with another.
+    """
+
+    def __init__(self, size: int, limit: int, shorten: str, details: str) -> None:
+        super().__init__(
+            f"etcd refused a request of {size:,} bytes as too large ({details}); etcd's "
+            f"--max-request-bytes is {limit:,} bytes unless the member sets another: "
+            f"{shorten}"
+        )
+        self.size = size
+        self.limit = limit
 
 
 class PermissionDeniedError(EtcdError):

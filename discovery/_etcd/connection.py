@@ -46,6 +46,7 @@ import functools
 import logging
 import math
 import operator
+import os
 import queue
 import random
 import threading
@@ -76,8 +77,10 @@ from discovery._errors import (
     ConfigurationError,
     DiscoveryError,
     EtcdError,
+    EtcdNoSpaceError,
     EtcdUnavailableError,
     PermissionDeniedError,
+    RequestTooLargeError,
 )
 from discovery._etcd.port import (
     MAX_BATCH,
@@ -141,6 +144,12 @@ _TRANSIENT_ETCD3 = (
 _MEMBER_FAILURE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 )
+# etcd's ErrGRPCNoSpace: writes are refused until an operator frees space (not transient).
+_NO_SPACE = "database space exceeded"
+# etcd's ErrGRPCRequestTooLarge, and gRPC's own refusal of a message over etcd's
+# --max-request-bytes plus its 512 KiB allowance: the same request fails again (not transient).
+_TOO_LARGE = ("request is too large", "received message larger than max")
+ETCD_MAX_REQUEST_BYTES = 1_572_864  # etcd's default --max-request-bytes
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
 _REQUIRE_LEADER = ("hasleader", "true")
@@ -188,18 +197,47 @@ def is_transient(exc: BaseException) -> bool:
     if _closed_channel(exc):
         return True  # a member's channel closed under the call (it left the cluster)
     rpc = _rpc_error(exc)
-    return rpc is not None and rpc.code() in _TRANSIENT_CODES
+    return rpc is not None and rpc.code() in _TRANSIENT_CODES and not _refused(rpc)
 
 
-def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryError:
-    """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``)."""
+def _refused(rpc: grpc.RpcError) -> bool:
+    """Whether etcd refused the request itself and will again (RESOURCE_EXHAUSTED says not)."""
+    details = rpc.details() or ""
+    return _NO_SPACE in details or any(sign in details for sign in _TOO_LARGE)
+
+
+def translate(
+    exc: BaseException,
+    endpoints: Sequence[str] = (),
+    *,
+    user: str | None = None,
+    key: str | None = None,
+    size: int | None = None,
+) -> DiscoveryError:
+    """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``).
+
+    ``user``, ``key`` (or prefix) and ``size`` (the bytes a write carried) say what the
+    call was, for the errors etcd itself does not explain.
+    """
     if isinstance(exc, DiscoveryError):
         return exc
     what = describe(exc)
     rpc = _rpc_error(exc)
     code = rpc.code() if rpc is not None else None
     if code in _AUTH_CODES or "authentication failed" in what or "user name is empty" in what:
-        return PermissionDeniedError(f"etcd refused the request: {what}")
+        who = f"etcd user {user!r}" if user else "no etcd user (no credentials given)"
+        on = f" on {key!r}" if key else ""
+        return PermissionDeniedError(f"etcd refused the request{on} for {who}: {what}")
+    if _NO_SPACE in what:
+        return EtcdNoSpaceError(what)
+    if any(sign in what for sign in _TOO_LARGE):
+        return RequestTooLargeError(
+            size or 0,
+            ETCD_MAX_REQUEST_BYTES,
+            "write fewer or shorter records at once (labels, extra fields), or raise "
+            "etcd's --max-request-bytes",
+            what,
+        )
     if isinstance(exc, _TokenExpired):
         return _TokenRejected("etcd rejected the auth token; authenticating again", what)
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in what:
@@ -631,10 +669,18 @@ class Connection(CloseHooks):
 
     # -- calls --------------------------------------------------------------------------
 
-    def _attempt(self, op: Callable[[_Client], T], *, sync: bool = True) -> T:
+    def _attempt(
+        self,
+        op: Callable[[_Client], T],
+        *,
+        sync: bool = True,
+        key: str | None = None,
+        size: int | None = None,
+    ) -> T:
         """Run ``op`` once on the client; every failure leaves as a DiscoveryError.
 
         ``sync``: start following the membership after it, if not yet (member_sync).
+        ``key`` (or prefix) and ``size`` (the bytes it writes) name the call in errors.
         """
         client = None
         try:
@@ -650,7 +696,8 @@ class Connection(CloseHooks):
                 # A stub cached on a removed member's channel (built while replace_members
                 # ran): the retry builds it again on the member in use.
                 client._clear_old_stubs()
-            raise translate(exc, self._endpoints) from exc
+            user = self.settings.username
+            raise translate(exc, self._endpoints, user=user, key=key, size=size) from exc
         finally:
             if sync and client is not None:
                 self._follow_membership()
@@ -781,7 +828,7 @@ class Connection(CloseHooks):
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""
-        kvs = self._attempt(lambda c: c.get_response(key).kvs)
+        kvs = self._attempt(lambda c: c.get_response(key).kvs, key=key)
         return _key_value(kvs[0]) if kvs else None
 
     def grant(self, ttl: int) -> int:
@@ -847,7 +894,7 @@ class Connection(CloseHooks):
             previous = _key_value(put.prev_kv) if put.prev_kv.key else None
             return PutResult(True, put.header.revision, previous)
 
-        return self._attempt(transact)
+        return self._attempt(transact, key=key, size=len(key.encode()) + len(value))
 
     def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
         """Create each absent key on ``lease_id`` in one transaction of nested ones."""
@@ -884,11 +931,12 @@ class Connection(CloseHooks):
                     results.append(PutResult(False, found.header.revision, current))
             return results
 
-        return self._attempt(transact)
+        size = sum(len(key.encode()) + len(value) for key, value, _ in items)
+        return self._attempt(transact, key=_common_prefix(items), size=size)
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
-        return bool(self._attempt(lambda c: c.delete(key)))
+        return bool(self._attempt(lambda c: c.delete(key), key=key))
 
     def delete_owned(self, key: str, lease_id: int) -> bool:
         """Delete ``key`` only if it is bound to ``lease_id``."""
@@ -901,7 +949,7 @@ class Connection(CloseHooks):
             )
             return bool(ok)
 
-        return self._attempt(transact)
+        return self._attempt(transact, key=key)
 
     # -- streams --------------------------------------------------------------------------
 
@@ -923,6 +971,12 @@ class Connection(CloseHooks):
     def open_keepalive(self) -> _KeepAliveStream:
         """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
+
+
+def _common_prefix(items: Sequence[tuple[str, bytes, int]]) -> str | None:
+    """The one key of a batch, or the prefix its keys share (for errors)."""
+    keys = [key for key, _, _ in items]
+    return os.path.commonprefix(keys) or None  # noqa: RUF071 (keys, not paths: a prefix)
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -1063,6 +1117,7 @@ class _WatchStream(_Stream):
         progress_interval: float,
     ) -> None:
         super().__init__(client, on_token_expired)
+        self._prefix = prefix
         key = prefix.encode()
         # progress_notify: etcd's periodic progress responses (member flag
         # --experimental-watch-progress-notify-interval) also cross an etcd gRPC proxy,
@@ -1138,7 +1193,7 @@ class _WatchStream(_Stream):
             # "invalid auth token" (upstream #1227: a watch that never resumes).
             # Authenticate again; a real lack of permission stays denied.
             self._on_token_expired(self._client)
-        return PermissionDeniedError(f"etcd refused the watch: {reason}")
+        return PermissionDeniedError(f"etcd refused the watch of {self._prefix!r}: {reason}")
 
     def close(self) -> None:
         """Cancel the stream and stop its watchdog."""

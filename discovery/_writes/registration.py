@@ -53,8 +53,10 @@ from discovery._errors import (
     ConfigurationError,
     DiscoveryError,
     EngineConflictError,
+    EtcdNoSpaceError,
     InvalidRecordError,
     RecordDecodeError,
+    RequestTooLargeError,
 )
 from discovery._etcd.port import EtcdPort, KeyValue, LeaseGone, PutResult
 from discovery._metrics import NO_METRICS, MetricsHooks
@@ -431,8 +433,9 @@ class Registration:
         if registered:
             try:
                 self._conn.call(self._publish)
-            except DiscoveryError:
+            except DiscoveryError as exc:
                 self._session._publish_later(self)
+                self._write_refused(exc)
                 raise
             with self._lock:
                 refused = self._refused
@@ -444,6 +447,7 @@ class Registration:
         self._dirty = False
         self._pending = _NOTHING
         self._forced = False
+        self._last_error = None  # a refusal (NOSPACE, too large) is over
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -660,8 +664,24 @@ class Registration:
         try:
             self._conn.call(self._publish, timeout=0)
         except DiscoveryError as exc:
-            log.warning("%s: publishing a change failed: %s", self.engine_id, exc)
+            if not self._write_refused(exc):
+                log.warning("%s: publishing a change failed: %s", self.engine_id, exc)
             self._session._publish_later(self)
+
+    def _write_refused(self, exc: DiscoveryError) -> bool:
+        """Whether etcd refused our write for good (NOSPACE, too large): then say so once.
+
+        The lease and the record etcd holds stay: the change is published once etcd takes it.
+        """
+        if not isinstance(exc, (EtcdNoSpaceError, RequestTooLargeError)):
+            return False
+        reason = str(exc)
+        with self._lock:
+            first = self._last_error != reason
+            self._last_error = reason
+        if first:
+            log.warning("%s: a change is kept until etcd takes it: %s", self.engine_id, reason)
+        return True
 
     # -- called by the session and the record watch -----------------------------------
 
