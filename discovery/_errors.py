@@ -111,7 +111,8 @@ class EtcdNoSpaceError(EtcdError):
 
     def __init__(self, details: str) -> None:
         super().__init__(
-            f"etcd refused the write, its space quota is full ({details}); {self.RUNBOOK}"
+            f"etcd refused the write: its space quota is full, the NOSPACE alarm ({details}); "
+            f"{self.RUNBOOK}"
         )
         self.details = details
 
@@ -119,14 +120,15 @@ class EtcdNoSpaceError(EtcdError):
 class RequestTooLargeError(EtcdError):
     """etcd refused a request larger than its ``--max-request-bytes``.
 
-    ``size`` is what the request carried (keys and values, in bytes), ``limit`` etcd's
-    default limit (1,572,864 bytes) unless the member was started with another.
+    ``size`` is what the request carried (keys and values, in bytes), ``limit`` the
+    members' limit as the settings know it (``Settings.max_request_bytes``, etcd's default
+    1,572,864 bytes unless set).
     """
 
     def __init__(self, size: int, limit: int, shorten: str, details: str) -> None:
         super().__init__(
-            f"etcd refused a request of {size:,} bytes as too large ({details}); etcd's "
-            f"--max-request-bytes is {limit:,} bytes unless the member sets another: "
+            f"etcd refused a request of {size:,} bytes as too large ({details}); the "
+            f"members' --max-request-bytes is {limit:,} bytes (Settings.max_request_bytes): "
             f"{shorten}"
         )
         self.size = size

@@ -98,7 +98,7 @@ from discovery._etcd.port import (
     explain,
 )
 from discovery._metrics import NO_METRICS, MetricsHooks
-from discovery._settings import Settings, parse_endpoint
+from discovery._settings import ETCD_MAX_REQUEST_BYTES, Settings, parse_endpoint
 
 __all__ = ["Connection"]
 
@@ -149,7 +149,6 @@ _NO_SPACE = "database space exceeded"
 # etcd's ErrGRPCRequestTooLarge, and gRPC's own refusal of a message over etcd's
 # --max-request-bytes plus its 512 KiB allowance: the same request fails again (not transient).
 _TOO_LARGE = ("request is too large", "received message larger than max")
-ETCD_MAX_REQUEST_BYTES = 1_572_864  # etcd's default --max-request-bytes
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
 _REQUIRE_LEADER = ("hasleader", "true")
@@ -213,11 +212,13 @@ def translate(
     user: str | None = None,
     key: str | None = None,
     size: int | None = None,
+    limit: int = ETCD_MAX_REQUEST_BYTES,
 ) -> DiscoveryError:
     """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``).
 
     ``user``, ``key`` (or prefix) and ``size`` (the bytes a write carried) say what the
-    call was, for the errors etcd itself does not explain.
+    call was, for the errors etcd itself does not explain; ``limit``: the members'
+    ``--max-request-bytes`` as the settings know it.
     """
     if isinstance(exc, DiscoveryError):
         return exc
@@ -233,7 +234,7 @@ def translate(
     if any(sign in what for sign in _TOO_LARGE):
         return RequestTooLargeError(
             size or 0,
-            ETCD_MAX_REQUEST_BYTES,
+            limit,
             "write fewer or shorter records at once (labels, extra fields), or raise "
             "etcd's --max-request-bytes",
             what,
@@ -696,8 +697,14 @@ class Connection(CloseHooks):
                 # A stub cached on a removed member's channel (built while replace_members
                 # ran): the retry builds it again on the member in use.
                 client._clear_old_stubs()
-            user = self.settings.username
-            raise translate(exc, self._endpoints, user=user, key=key, size=size) from exc
+            raise translate(
+                exc,
+                self._endpoints,
+                user=self.settings.username,
+                key=key,
+                size=size,
+                limit=self.settings.max_request_bytes,
+            ) from exc
         finally:
             if sync and client is not None:
                 self._follow_membership()
@@ -772,7 +779,7 @@ class Connection(CloseHooks):
         """
         key = prefix.encode()
         request = _Range(key, prefix_range_end(key), first_page or page_size, 0)
-        page = self._range_page(request, timeout, None)
+        page = self._range_page(request, timeout, None, prefix)
         request = request._replace(revision=page.header.revision, limit=page_size)
         while True:
             kvs = page.kvs
@@ -783,7 +790,7 @@ class Connection(CloseHooks):
             yield request.revision, _key_values(kvs)
             if not (page.more and kvs):
                 return
-            page = self._range_page(request, timeout, ahead)
+            page = self._range_page(request, timeout, ahead, prefix)
 
     def _range_ahead(self, request: _Range) -> _Ahead | None:
         """An async Range request for a page, or None if it cannot be sent now."""
@@ -805,8 +812,10 @@ class Connection(CloseHooks):
             return None
         return _Ahead(future, client, member)
 
-    def _range_page(self, request: _Range, timeout: float | None, ahead: _Ahead | None) -> Any:
-        """One page: ``ahead``'s answer (its first attempt), then (retried) reads now.
+    def _range_page(
+        self, request: _Range, timeout: float | None, ahead: _Ahead | None, prefix: str
+    ) -> Any:
+        """One page of ``prefix``: ``ahead``'s answer (its first attempt), then (retried) reads.
 
         A listing's pages do not start the member sync (a watcher's watch does, on its own
         thread): no thread start holds up a new watcher's first listing.
@@ -816,12 +825,15 @@ class Connection(CloseHooks):
 
         def attempt() -> Any:
             if sent:
-                return self._attempt(lambda _: _compacted_as_such(sent.pop().result), sync=False)
+                return self._attempt(
+                    lambda _: _compacted_as_such(sent.pop().result), sync=False, key=prefix
+                )
             return self._attempt(
                 lambda c: _compacted_as_such(
                     lambda: c.get_range_response(start, end, limit=limit, revision=revision or None)
                 ),
                 sync=False,
+                key=prefix,
             )
 
         return self.call(attempt, timeout=timeout)

@@ -649,7 +649,9 @@ class Registration:
             if result.succeeded:
                 with self._lock:
                     self._mod_revision = max(self._mod_revision, result.revision)
-                    if self._record is record:
+                    # Equal, not identical: our record watch may have adopted this very
+                    # write (a copy of it) before its answer came back.
+                    if self._record == record:
                         self._published()
                 return
             found = result.previous

@@ -1,0 +1,160 @@
+"""etcd's own limits on real members (issue 43): a full space quota (NOSPACE), a request over
+``--max-request-bytes``, a role without the permission. Each error says what happened, at
+once, and a registration keeps its record alive through it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from discovery import (
+    EndpointWatcher,
+    EtcdNoSpaceError,
+    PermissionDeniedError,
+    RegistrationState,
+    RequestTooLargeError,
+    Settings,
+    register_engine,
+)
+from discovery._etcd.connection import Connection
+from discovery.testing.embedded import EtcdCluster
+
+from .conftest import _checked_cluster
+from .helpers import get_kv, make_endpoint, wait_for
+from .test_security import SECRET, _auth_settings, _ctl, _setup_auth
+
+pytestmark = pytest.mark.external  # every test runs an etcd of its own
+
+_QUOTA = 2 * 1024 * 1024  # a space quota a few dozen writes fill
+_FILL = "/fill/"
+_DIAL = 10.0  # what a retried failure would take: the refusals below must come far sooner
+
+
+@pytest.fixture
+def etcd_quota() -> Iterator[EtcdCluster]:
+    with _checked_cluster(
+        EtcdCluster(1, extra_args=["--quota-backend-bytes", str(_QUOTA)])
+    ) as cluster:
+        yield cluster
+
+
+def _fill(conn: Connection) -> EtcdNoSpaceError:
+    """Write 100 kB values until etcd raises its NOSPACE alarm; the refusal."""
+    for i in range(10 * _QUOTA // 100_000):
+        try:
+            conn.replace(f"{_FILL}{i:04d}", b"x" * 100_000, 0)
+        except EtcdNoSpaceError as exc:
+            return exc
+    raise AssertionError("the space quota never filled")
+
+
+def _free_space(cluster: EtcdCluster) -> None:
+    """The runbook: delete what filled it, compact, defrag, disarm the alarm."""
+    for args in (("del", "--prefix", _FILL), ("defrag",)):
+        assert cluster.etcdctl(*args).returncode == 0
+    status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json").stdout)
+    revision = status[0]["Status"]["header"]["revision"]
+    for args in (("compact", str(revision)), ("defrag",), ("alarm", "disarm")):
+        done = cluster.etcdctl(*args)
+        assert done.returncode == 0, done.stderr
+
+
+def _stored(cluster: EtcdCluster, key: str) -> dict:
+    """The record etcd holds at ``key`` (decoded JSON)."""
+    kv = get_kv(cluster.endpoints, key)
+    assert kv is not None, f"{key} is not in etcd"
+    return dict(json.loads(kv["value"]))
+
+
+def test_nospace_is_refused_at_once_and_a_registration_rides_it_out(
+    etcd_quota: EtcdCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = Settings(endpoints=etcd_quota.endpoints, namespace="q", dial_timeout=_DIAL)
+    caplog.set_level(logging.WARNING, logger="discovery")
+    with (
+        Connection(settings) as conn,
+        register_engine(make_endpoint(), engine_id="e1", ttl=2, settings=settings) as reg,
+    ):
+        lease = reg.lease_id
+        refused = _fill(conn)
+        assert "NOSPACE" in str(refused) and "alarm disarm" in str(refused)
+        started = time.monotonic()
+        with pytest.raises(EtcdNoSpaceError, match=r"compact.*defrag.*alarm disarm"):
+            conn.call(lambda: conn.replace(f"{_FILL}more", b"x", 0))
+        assert time.monotonic() - started < _DIAL / 5  # not retried as unavailable
+
+        filled = datetime.now(UTC)
+        for n in range(3):  # each change is refused at once; logged once all the same
+            started = time.monotonic()
+            with pytest.raises(EtcdNoSpaceError):
+                reg.update(labels={"v": str(n)})
+            assert time.monotonic() - started < _DIAL / 5
+        assert "NOSPACE" in (reg.health().last_error or "")
+        # Keepalives still work: the lease outlives its TTL several times over.
+        wait_for(
+            lambda: (
+                (reg.session.last_keepalive or filled) > filled + timedelta(seconds=3 * reg.ttl)
+            ),
+            timeout=20,
+            message="keepalives answered past three TTLs under NOSPACE",
+        )
+        assert reg.state is RegistrationState.REGISTERED and reg.lease_id == lease
+        assert "labels" not in _stored(etcd_quota, reg.key)  # the last accepted record
+        refusals = [
+            r for r in caplog.records if r.name.endswith("registration") and "NOSPACE" in r.message
+        ]
+        assert len(refusals) == 1, [r.message for r in refusals]
+
+        _free_space(etcd_quota)
+        wait_for(
+            lambda: _stored(etcd_quota, reg.key).get("labels") == {"v": "2"},
+            timeout=10,
+            message="the change kept through NOSPACE published once etcd takes writes",
+        )
+        wait_for(lambda: reg.health().last_error is None, timeout=5, message="the error cleared")
+        assert reg.lease_id == lease and reg.health().losses == 0
+
+
+def test_request_too_large_names_its_size_and_the_limit() -> None:
+    limit = 4096
+    with _checked_cluster(
+        EtcdCluster(1, extra_args=["--max-request-bytes", str(limit)])
+    ) as cluster:
+        settings = Settings(
+            endpoints=cluster.endpoints, dial_timeout=_DIAL, max_request_bytes=limit
+        )
+        with Connection(settings) as conn:
+            started = time.monotonic()
+            with pytest.raises(RequestTooLargeError) as caught:
+                conn.call(lambda: conn.replace("/big", b"y" * 6000, 0))
+            assert time.monotonic() - started < _DIAL / 5
+    message = str(caught.value)
+    assert caught.value.size == 6004 and caught.value.limit == limit
+    assert "6,004 bytes" in message and "4,096 bytes" in message, message
+    assert "request is too large" in message
+
+
+def test_permission_denied_names_the_user_and_the_key_never_the_password() -> None:
+    with _checked_cluster(EtcdCluster(1)) as cluster:
+        _setup_auth(cluster)
+        with pytest.raises(PermissionDeniedError) as write:
+            register_engine(
+                make_endpoint(),
+                engine_id="e1",
+                settings=_auth_settings(cluster, "engine-a", namespace="b"),
+            )
+        with pytest.raises(PermissionDeniedError) as watch:
+            EndpointWatcher(_auth_settings(cluster, "router-a", namespace="b")).start()
+        assert "found 0 leases" in _ctl(cluster, "lease", "list")
+    for caught, user, where in (
+        (write, "engine-a", "/inference/v1/b/engines/e1"),
+        (watch, "router-a", "/inference/v1/b/engines/"),
+    ):
+        message = str(caught.value)
+        assert f"'{user}'" in message and where in message, message
+        assert "permission denied" in message and SECRET not in message
