@@ -53,11 +53,20 @@ class InvalidRecordError(DiscoveryError, ValueError):
     """An endpoint, engine id, namespace, label or value is not acceptable."""
 
 
+def shown_key(text: str) -> str:
+    r"""``text`` quoted as etcdctl shows a key: a byte that is not UTF-8 escaped once.
+
+    Keys read from etcd are decoded with ``backslashreplace`` (byte 0xff is the four
+    characters ``ÿ``); ``repr`` would escape those backslashes a second time.
+    """
+    return repr(text).replace("\\\\", "\\")
+
+
 class RecordDecodeError(InvalidRecordError):
     """A value stored in etcd could not be decoded into an engine record."""
 
     def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"cannot decode value at {key!r}: {reason}")
+        super().__init__(f"cannot decode value at {shown_key(key)}: {reason}")
         self.key = key
         self.reason = reason
 

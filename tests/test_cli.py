@@ -12,12 +12,13 @@ import time
 
 import pytest
 
-from discovery import Settings, register_engine
+from discovery import Connection, Settings, register_engine
+from discovery._records.codec import KeySpace
 from discovery._records.record import EngineRecord
 from discovery.cli import build_parser
 from discovery.cli._args import settings_argv, settings_from_args
 
-from .helpers import Registrar, cli_env, get_kv, make_endpoint, run_cli, wait_for
+from .helpers import Registrar, cli_env, get_kv, make_endpoint, raw_call, run_cli, wait_for
 
 
 def test_list_json_and_table(settings: Settings) -> None:
@@ -52,6 +53,24 @@ def test_list_json_and_table(settings: Settings) -> None:
             assert rows["a"][1:4] == ["ready", "-", "decode"] and rows["a"][-1] == "zone=z1"
             assert rows["b"][1:4] == ["ready", "-", "-"]  # aggregated: the absent role
             assert lines[-1] == "(2 engines)"
+
+
+def test_list_warns_once_of_each_skipped_value_and_shows_keys_as_etcdctl(
+    settings: Settings,
+) -> None:
+    prefix = KeySpace(settings.root, settings.namespace).prefix
+    with Connection(settings) as conn:
+        conn.replace(f"{prefix}bad", b"{not json", 0)
+        raw_call(conn, lambda c: c.put(f"{prefix}k".encode() + b"\xff\xfe", b"{}"))
+        for fmt in ("table", "wide", "json"):
+            result = run_cli(settings, "list", "-o", fmt)
+            assert result.returncode == 0, result.stderr
+            warnings = result.stderr.splitlines()
+            assert len(warnings) == 2, warnings  # each bad value once, wide too
+            assert any(f"'{prefix}bad'" in line for line in warnings), warnings
+            # byte 0xff as etcdctl escapes it, once (not \\xff)
+            assert any(f"'{prefix}k\\xff\\xfe'" in line for line in warnings), warnings
+            assert "\\\\" not in result.stderr
 
 
 def test_list_takes_set_based_selectors(settings: Settings) -> None:

@@ -49,6 +49,8 @@ import operator
 import os
 import queue
 import random
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -149,6 +151,8 @@ _NO_SPACE = "database space exceeded"
 # etcd's ErrGRPCRequestTooLarge, and gRPC's own refusal of a message over etcd's
 # --max-request-bytes plus its 512 KiB allowance: the same request fails again (not transient).
 _TOO_LARGE = ("request is too large", "received message larger than max")
+_SOCKET_CLOSED = "Socket closed"  # gRPC's reason when a member hangs up (a TLS one on plaintext)
+_TLS_PROBE_TIMEOUT = 0.5
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
 _REQUIRE_LEADER = ("hasleader", "true")
@@ -737,6 +741,15 @@ class Connection(CloseHooks):
             return retrying(attempt)
         except _TokenRejected as exc:
             raise PermissionDeniedError("etcd keeps rejecting the auth token") from exc
+        except EtcdUnavailableError as exc:
+            tls = _answering_tls(self._endpoints) if _SOCKET_CLOSED in exc.reason else []
+            if not tls:
+                raise
+            raise EtcdUnavailableError(
+                f"etcd unavailable: {', '.join(tls)} answers with TLS, not plaintext: use "
+                f"https:// (and ca_cert, DISCOVERY_ETCD_CA_CERT, for its CA) ({exc.reason})",
+                exc.reason,
+            ) from exc
 
     def list_prefix(
         self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
@@ -989,6 +1002,33 @@ def _common_prefix(items: Sequence[tuple[str, bytes, int]]) -> str | None:
     """The one key of a batch, or the prefix its keys share (for errors)."""
     keys = [key for key, _, _ in items]
     return os.path.commonprefix(keys) or None  # noqa: RUF071 (keys, not paths: a prefix)
+
+
+def _answering_tls(endpoints: Sequence[str]) -> list[str]:
+    """The ``http://`` endpoints whose member completes a TLS handshake (a scheme mistake).
+
+    Asked only once a call has given up on "Socket closed", gRPC's word for a TLS member
+    hanging up on plaintext: nothing else tells that mistake from a member going away.
+    """
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # whether it speaks TLS, not whether we trust it
+    found = []
+    for url in endpoints:
+        if not url.startswith("http://"):
+            continue
+        try:
+            with (
+                socket.create_connection(_host_port(url), timeout=_TLS_PROBE_TIMEOUT) as raw,
+                context.wrap_socket(raw),
+            ):
+                found.append(url)
+        except ssl.SSLError as exc:
+            if "ALERT" in (exc.reason or ""):  # a TLS alert (say, a client cert required)
+                found.append(url)
+        except OSError:  # refused, timed out, reset
+            pass
+    return found
 
 
 def _host_port(url: str) -> tuple[str, int]:
