@@ -742,7 +742,7 @@ class Connection(CloseHooks):
         except _TokenRejected as exc:
             raise PermissionDeniedError("etcd keeps rejecting the auth token") from exc
         except EtcdUnavailableError as exc:
-            tls = _answering_tls(self._endpoints) if _SOCKET_CLOSED in exc.reason else []
+            tls = _answering_tls(self._endpoints) if _SOCKET_CLOSED in (exc.reason or "") else []
             if not tls:
                 raise
             raise EtcdUnavailableError(
