@@ -135,10 +135,16 @@ class RequestTooLargeError(EtcdError):
     """
 
     def __init__(self, size: int, limit: int, shorten: str, details: str) -> None:
+        if size > limit:
+            why = f"over the members' --max-request-bytes, {limit:,} bytes"
+        else:  # etcd's own limit is lower than the settings say
+            why = (
+                f"the members' --max-request-bytes is below the {limit:,} bytes the settings "
+                "say: set theirs there"
+            )
         super().__init__(
-            f"etcd refused a request of {size:,} bytes as too large ({details}); the "
-            f"members' --max-request-bytes is {limit:,} bytes (Settings.max_request_bytes): "
-            f"{shorten}"
+            f"a request of {size:,} bytes is too large for etcd ({details}); {why} "
+            f"(Settings.max_request_bytes, DISCOVERY_ETCD_MAX_REQUEST_BYTES): {shorten}"
         )
         self.size = size
         self.limit = limit

@@ -18,12 +18,15 @@ from discovery import (
     PermissionDeniedError,
     RegistrationState,
     RequestTooLargeError,
+    Session,
     Settings,
     register_engine,
 )
 from discovery._etcd.connection import Connection
+from discovery._records.codec import MAX_VALUE_BYTES
 from discovery.testing.embedded import EtcdCluster
 
+from .catalogue import TTL
 from .conftest import _checked_cluster
 from .helpers import get_kv, make_endpoint, wait_for
 from .test_security import SECRET, _auth_settings, _ctl, _setup_auth
@@ -158,3 +161,78 @@ def test_permission_denied_names_the_user_and_the_key_never_the_password() -> No
         message = str(caught.value)
         assert f"'{user}'" in message and where in message, message
         assert "permission denied" in message and SECRET not in message
+
+
+def _labels(size: int) -> dict[str, str]:
+    """Labels of about ``size`` bytes in all (64 at most, as a record allows)."""
+    count = min(64, size // 200 + 1)
+    return {f"k{i:02d}": "v" * (size // count - 10) for i in range(count)}
+
+
+def test_an_update_etcd_refuses_as_too_large_keeps_the_last_accepted_record_alive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="discovery")
+    # The members take 8 KiB; the settings do not know it (etcd refuses, not us).
+    with (
+        _checked_cluster(EtcdCluster(1, extra_args=["--max-request-bytes", "8192"])) as cluster,
+        Connection(Settings(endpoints=cluster.endpoints, namespace="s")) as conn,
+        register_engine(
+            make_endpoint(), engine_id="e1", ttl=2, labels={"a": "1"}, connection=conn
+        ) as reg,
+    ):
+        lease = reg.lease_id
+        started = time.monotonic()
+        with pytest.raises(RequestTooLargeError, match="request is too large") as caught:
+            reg.update(labels=_labels(12_000))
+        assert time.monotonic() - started < _DIAL / 5
+        assert caught.value.size > 12_000 and "shorten" in str(caught.value)
+        assert reg.record.labels == {"a": "1"}  # the change is dropped, not kept to retry
+        assert _stored(cluster, reg.key)["labels"] == {"a": "1"}
+        assert "too large" in (reg.health().last_error or "")
+
+        assert cluster.etcdctl("lease", "revoke", f"{lease:x}").returncode == 0
+        wait_for(
+            lambda: reg.lease_id != lease and reg.state is RegistrationState.REGISTERED,
+            timeout=10,
+            message="the registration back on a new lease",
+        )
+        back = get_kv(cluster.endpoints, reg.key)
+        assert back is not None and back["lease"] == reg.lease_id
+        assert json.loads(back["value"])["labels"] == {"a": "1"}  # the last accepted one
+
+        reg.update(labels={"a": "2"})  # a change that fits goes through as ever
+        assert _stored(cluster, reg.key)["labels"] == {"a": "2"}
+    refusals = [r.message for r in caplog.records if "too large" in r.message]
+    assert len(refusals) == 1, refusals
+
+
+def test_a_session_of_100_records_of_16_kib_comes_back_after_its_lease_is_revoked(
+    etcd: EtcdCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="discovery")
+    settings = Settings(endpoints=etcd.endpoints, namespace="big", dial_timeout=_DIAL)
+    labels = _labels(15_800)
+    with Connection(settings) as conn, Session(ttl=int(TTL), connection=conn) as session:
+        regs = [
+            register_engine(make_endpoint(i), engine_id=f"e{i:03d}", labels=labels, session=session)
+            for i in range(100)
+        ]
+        sizes = {len(kv.value) for kv in conn.list_prefix(regs[0].key[: -len("e000")])[1]}
+        assert min(sizes) > 15_500 and max(sizes) <= MAX_VALUE_BYTES  # 100 x ~16 KiB: 1.6 MB
+        lease = session.lease_id
+        assert lease is not None
+        started = time.monotonic()
+        conn.call(lambda: conn.revoke(lease))
+
+        def all_back() -> bool:
+            _, kvs = conn.list_prefix(regs[0].key[: -len("e000")])
+            return len(kvs) == 100 and all(kv.lease not in (0, lease) for kv in kvs)
+
+        wait_for(all_back, timeout=15, message="100 records back on a new lease", interval=0.05)
+        took = time.monotonic() - started
+        # The catalogue's lost-lease row: back within TTL/3 + 0.5 s.
+        assert took <= TTL / 3 + 0.5, f"back after {took:.2f} s"
+        assert all(r.state is RegistrationState.REGISTERED for r in regs)
+    # Split by bytes before sending: etcd refused no batch (none was halved).
+    assert not [r.message for r in caplog.records if "too large" in r.message]

@@ -239,8 +239,8 @@ def translate(
         return RequestTooLargeError(
             size or 0,
             limit,
-            "write fewer or shorter records at once (labels, extra fields), or raise "
-            "etcd's --max-request-bytes",
+            "write fewer records at once, shorten their labels and extra fields, or raise "
+            "the members' limit",
             what,
         )
     if isinstance(exc, _TokenExpired):
@@ -642,6 +642,11 @@ class Connection(CloseHooks):
     def election_timeout(self) -> float:
         """``settings.election_timeout``: etcd's election timeout."""
         return self.settings.election_timeout
+
+    @property
+    def max_request_bytes(self) -> int:
+        """``settings.max_request_bytes``: the members' request limit."""
+        return self.settings.max_request_bytes
 
     @property
     def member_in_use(self) -> str:
