@@ -236,3 +236,30 @@ def test_a_session_of_100_records_of_16_kib_comes_back_after_its_lease_is_revoke
         assert all(r.state is RegistrationState.REGISTERED for r in regs)
     # Split by bytes before sending: etcd refused no batch (none was halved).
     assert not [r.message for r in caplog.records if "too large" in r.message]
+
+
+def test_a_repair_etcd_refuses_as_too_large_is_halved_until_it_fits() -> None:
+    # The members take 40 kB a request, the settings say etcd's default: a repair's first
+    # batch (8 records of 16 KiB) is refused, then written in halves.
+    with (
+        _checked_cluster(EtcdCluster(1, extra_args=["--max-request-bytes", "40000"])) as cluster,
+        Connection(Settings(endpoints=cluster.endpoints, namespace="h")) as conn,
+        Session(ttl=int(TTL), connection=conn) as session,
+    ):
+        labels = _labels(15_800)
+        regs = [
+            register_engine(make_endpoint(i), engine_id=f"e{i}", labels=labels, session=session)
+            for i in range(8)
+        ]
+        lease = session.lease_id
+        assert lease is not None
+        conn.call(lambda: conn.revoke(lease))
+        wait_for(
+            lambda: all(
+                r.state is RegistrationState.REGISTERED and r.lease_id != lease for r in regs
+            ),
+            timeout=10,
+            message="8 records back on a new lease",
+        )
+        _, kvs = conn.list_prefix(regs[0].key[: -len("e0")])
+        assert len(kvs) == 8 and {kv.lease for kv in kvs} == {session.lease_id}
