@@ -74,7 +74,6 @@ from discovery import (
     EtcdNoSpaceError,
     EtcdUnavailableError,
     EventType,
-    InferenceEngineCapabilities,
     InferenceEngineEndpoint,
     NoEngineAvailableError,
     RequestTooLargeError,
@@ -94,6 +93,7 @@ from .helpers import (
     Registrar,
     connected_member,
     etcdctl,
+    make_endpoint,
     raw_call,
     wait_for,
 )
@@ -1345,15 +1345,7 @@ class _Answer(http.server.BaseHTTPRequestHandler):
         pass  # quiet
 
 
-_CAPABILITIES = InferenceEngineCapabilities(
-    context_length=8192,
-    kv_cache_block_size=256,
-    total_kv_blocks=1000,
-    max_num_seqs=64,
-    max_num_batched_tokens=8192,
-    bos_token_id=1,
-    enable_prefix_caching=True,
-)
+_CAPABILITIES = make_endpoint().capabilities
 
 
 def _limited(run: Run, *args: str) -> None:

@@ -26,7 +26,7 @@ from discovery._etcd.connection import Connection
 from discovery._records.codec import MAX_VALUE_BYTES
 from discovery.testing.embedded import EtcdCluster
 
-from .catalogue import TTL
+from .catalogue import TTL, _free_space, _labels
 from .conftest import _checked_cluster
 from .helpers import get_kv, make_endpoint, wait_for
 from .test_security import SECRET, _auth_settings, _ctl, _setup_auth
@@ -54,17 +54,6 @@ def _fill(conn: Connection) -> EtcdNoSpaceError:
         except EtcdNoSpaceError as exc:
             return exc
     raise AssertionError("the space quota never filled")
-
-
-def _free_space(cluster: EtcdCluster) -> None:
-    """The runbook: delete what filled it, compact, defrag, disarm the alarm."""
-    for args in (("del", "--prefix", _FILL), ("defrag",)):
-        assert cluster.etcdctl(*args).returncode == 0
-    status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json").stdout)
-    revision = status[0]["Status"]["header"]["revision"]
-    for args in (("compact", str(revision)), ("defrag",), ("alarm", "disarm")):
-        done = cluster.etcdctl(*args)
-        assert done.returncode == 0, done.stderr
 
 
 def _stored(cluster: EtcdCluster, key: str) -> dict:
@@ -161,12 +150,6 @@ def test_permission_denied_names_the_user_and_the_key_never_the_password() -> No
         message = str(caught.value)
         assert f"'{user}'" in message and where in message, message
         assert "permission denied" in message and SECRET not in message
-
-
-def _labels(size: int) -> dict[str, str]:
-    """Labels of about ``size`` bytes in all (64 at most, as a record allows)."""
-    count = min(64, size // 200 + 1)
-    return {f"k{i:02d}": "v" * (size // count - 10) for i in range(count)}
 
 
 def test_an_update_etcd_refuses_as_too_large_keeps_the_last_accepted_record_alive(
