@@ -13,6 +13,7 @@ from discovery._errors import (
     DiscoveryError,
     EngineConflictError,
     EtcdError,
+    EtcdNoSpaceError,
     EtcdUnavailableError,
     InvalidRecordError,
     InvalidSelectorError,
@@ -21,6 +22,7 @@ from discovery._errors import (
     OverloadedError,
     PermissionDeniedError,
     RecordDecodeError,
+    RequestTooLargeError,
 )
 from discovery._etcd.connection import Connection
 from discovery._etcd.port import EtcdPort
@@ -111,6 +113,7 @@ __all__ = [
     "EngineStatesHealth",
     "EngineStatus",
     "EtcdError",
+    "EtcdNoSpaceError",
     "EtcdPort",
     "EtcdUnavailableError",
     "EventType",
@@ -148,6 +151,7 @@ __all__ = [
     "RegistrationHealth",
     "RegistrationState",
     "RequestLostError",
+    "RequestTooLargeError",
     "RoundRobinPolicy",
     "Router",
     "RouterHealth",

@@ -7,6 +7,8 @@
     │   └── InvalidSelectorError            a label selector that does not parse (names the term)
     ├── EtcdError                           etcd answered with, or failed by, a runtime error
     │   ├── EtcdUnavailableError            no member reachable / timed out after retries
+    │   ├── EtcdNoSpaceError                etcd's space quota is full (NOSPACE): writes refused
+    │   ├── RequestTooLargeError            a request over etcd's --max-request-bytes
     │   ├── PermissionDeniedError           authentication failed or the role lacks permission
     │   └── EngineConflictError             the engine id is held by another live lease
     ├── NoEngineAvailableError              no engine in the routing table can serve a request
@@ -26,6 +28,7 @@ __all__ = [
     "DiscoveryError",
     "EngineConflictError",
     "EtcdError",
+    "EtcdNoSpaceError",
     "EtcdUnavailableError",
     "InvalidRecordError",
     "InvalidSelectorError",
@@ -34,6 +37,7 @@ __all__ = [
     "OverloadedError",
     "PermissionDeniedError",
     "RecordDecodeError",
+    "RequestTooLargeError",
 ]
 
 
@@ -49,11 +53,20 @@ class InvalidRecordError(DiscoveryError, ValueError):
     """An endpoint, engine id, namespace, label or value is not acceptable."""
 
 
+def shown_key(text: str) -> str:
+    r"""``text`` quoted as etcdctl shows a key: a byte that is not UTF-8 escaped once.
+
+    Keys read from etcd are decoded with ``backslashreplace`` (byte 0xff is the four
+    characters ``ÿ``); ``repr`` would escape those backslashes a second time.
+    """
+    return repr(text).replace("\\\\", "\\")
+
+
 class RecordDecodeError(InvalidRecordError):
     """A value stored in etcd could not be decoded into an engine record."""
 
     def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"cannot decode value at {key!r}: {reason}")
+        super().__init__(f"cannot decode value at {shown_key(key)}: {reason}")
         self.key = key
         self.reason = reason
 
@@ -89,6 +102,52 @@ class EtcdUnavailableError(EtcdError):
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class EtcdNoSpaceError(EtcdError):
+    """etcd's backend reached its space quota (the NOSPACE alarm): it refuses every write.
+
+    Not transient: etcd answers at once and goes on refusing until an operator frees space
+    and disarms the alarm; the message says how. Reads, watches and keepalives still work,
+    so registrations keep their leases and records meanwhile.
+    """
+
+    RUNBOOK = (
+        "free space, then disarm the alarm: `etcdctl endpoint status -w json` (the revision), "
+        "`etcdctl compact <revision>`, `etcdctl defrag`, `etcdctl alarm disarm` "
+        '(docs/operations/etcd.md, "Space quota exceeded")'
+    )
+
+    def __init__(self, details: str) -> None:
+        super().__init__(
+            f"etcd refused the write: its space quota is full, the NOSPACE alarm ({details}); "
+            f"{self.RUNBOOK}"
+        )
+        self.details = details
+
+
+class RequestTooLargeError(EtcdError):
+    """etcd refused a request larger than its ``--max-request-bytes``.
+
+    ``size`` is what the request carried (keys and values, in bytes), ``limit`` the
+    members' limit as the settings know it (``Settings.max_request_bytes``, etcd's default
+    1,572,864 bytes unless set).
+    """
+
+    def __init__(self, size: int, limit: int, shorten: str, details: str) -> None:
+        if size > limit:
+            why = f"over the members' --max-request-bytes, {limit:,} bytes"
+        else:  # etcd's own limit is lower than the settings say
+            why = (
+                f"the members' --max-request-bytes is below the {limit:,} bytes the settings "
+                "say: set theirs there"
+            )
+        super().__init__(
+            f"a request of {size:,} bytes is too large for etcd ({details}); {why} "
+            f"(Settings.max_request_bytes, DISCOVERY_ETCD_MAX_REQUEST_BYTES): {shorten}"
+        )
+        self.size = size
+        self.limit = limit
 
 
 class PermissionDeniedError(EtcdError):

@@ -19,11 +19,12 @@ from urllib.parse import urlsplit
 from discovery._errors import ConfigurationError, InvalidRecordError
 from discovery._records.codec import DEFAULT_NAMESPACE, DEFAULT_ROOT, KeySpace
 
-__all__ = ["ENV_PREFIX", "Settings"]
+__all__ = ["ENV_PREFIX", "ETCD_MAX_REQUEST_BYTES", "Settings"]
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "DISCOVERY_"
+ETCD_MAX_REQUEST_BYTES = 1_572_864  # etcd's default --max-request-bytes (1.5 MiB)
 DEFAULT_ENDPOINT = "http://127.0.0.1:2379"
 
 # Settings field -> (environment variable after ENV_PREFIX, what it means): declared once,
@@ -66,6 +67,11 @@ _VARIABLES = {
         "MEMBER_SYNC_INTERVAL",
         "seconds between refreshes of the endpoints from etcd's member list (there is one "
         "after every failover too); `0`: after failovers only",
+    ),
+    "max_request_bytes": (
+        "ETCD_MAX_REQUEST_BYTES",
+        "the members' `--max-request-bytes`: batched writes (a session's repair, bulk "
+        "commands) are split to stay under it, and a refusal names it",
     ),
 }
 _ENV_NAMES = {name: suffix for name, (suffix, _) in _VARIABLES.items()}
@@ -122,6 +128,7 @@ class Settings:
     allow_insecure_auth: bool = False
     member_sync: bool = True
     member_sync_interval: float = 5.0
+    max_request_bytes: int = ETCD_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         """Normalise and check every field; raise ConfigurationError on the first problem."""
@@ -154,6 +161,11 @@ class Settings:
         object.__setattr__(self, "member_sync_interval", float(interval))
         if not isinstance(self.member_sync, bool):
             raise ConfigurationError("member_sync must be True or False")
+        limit = self.max_request_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(
+                f"max_request_bytes must be a positive whole number of bytes, got {limit!r}"
+            )
         self._check_tls(tls=secure == {True})
         if self.password is not None and self.password_file is not None:
             raise ConfigurationError("give password or password_file, not both")
@@ -331,6 +343,13 @@ def parse_endpoint(text: str) -> str:
 
 
 def _parse_env(name: str, suffix: str, raw: str) -> str | float | bool:
+    if name == "max_request_bytes":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigurationError(
+                f"{ENV_PREFIX}{suffix}={raw!r} is not a whole number of bytes"
+            ) from None
     if name in _SWITCHES:
         if raw.strip().lower() in _TRUE + _FALSE:
             return raw.strip().lower() in _TRUE

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import http.server
 import itertools
 import json
 import logging
@@ -64,20 +65,25 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from discovery import (
     Connection,
     EndpointEvent,
     EngineStates,
     EngineStatus,
+    EtcdNoSpaceError,
     EtcdUnavailableError,
     EventType,
+    InferenceEngineEndpoint,
     NoEngineAvailableError,
     RecordDecodeError,
+    RequestTooLargeError,
     Router,
     RoutingTable,
+    Session,
     Settings,
+    register_engine,
     watch_table,
 )
 from discovery.testing.embedded import EtcdCluster, EtcdMember
@@ -543,6 +549,9 @@ TIMINGS = frozenset(
         "told_after_evict",
         "victim_evict",
         "late_seen",
+        "refused",
+        "published",
+        "session_back",
     }
 )
 
@@ -1467,6 +1476,157 @@ def auth_token_expiry(run: Run) -> Figures:
     run.extra["late_seen"] = max(0.0, seen - written) if seen is not None else 60.0
     run.ready(late)
     run._pause(3 * AUTH_TOKEN_TTL)  # the peer's lease lives on across more expiries
+
+
+# -- etcd's own limits (issue 43): a full space quota, requests over --max-request-bytes -----
+
+
+class _Served:
+    """An engine in this process: a registration whose address answers the client's requests
+    (a small HTTP server on loopback), so the test can change the record itself."""
+
+    def __init__(self, run: Run, engine_id: str, **register: Any) -> None:
+        self.engine_id = engine_id
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        run._stack.callback(self.server.server_close)
+        run._stack.callback(self.server.shutdown)
+        port = self.server.server_address[1]
+        endpoint = InferenceEngineEndpoint(f"tcp://127.0.0.1:{port}", _CAPABILITIES)
+        self.registration = register_engine(endpoint, engine_id=engine_id, **register)
+        run._stack.callback(self.registration.close)
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass  # quiet
+
+
+_CAPABILITIES = make_endpoint().capabilities
+
+
+def _limited(run: Run, *args: str) -> None:
+    """Restart the private member with ``args`` (etcd's limits), before anything runs."""
+    cluster = run.cluster
+    cluster.extra_args = (*cluster.extra_args, *args)
+    cluster.restart(cluster.members[0], kill=False)
+
+
+def _labels(size: int) -> dict[str, str]:
+    """Labels of about ``size`` bytes (64 at most, as a record allows)."""
+    count = min(64, size // 200 + 1)
+    return {f"k{i:02d}": "v" * (size // count - 10) for i in range(count)}
+
+
+def _timed(action: Callable[[], object], refusal: type[Exception]) -> float:
+    """Seconds until ``action`` raised ``refusal`` (it must)."""
+    started = time.monotonic()
+    try:
+        action()
+    except refusal:
+        return time.monotonic() - started
+    raise AssertionError(f"{action} was not refused")
+
+
+def nospace(run: Run) -> Figures:
+    _limited(run, "--quota-backend-bytes", str(8 * 1024 * 1024))
+    victim, peer = _pair(run)
+    side = _Served(run, "side", ttl=TTL, settings=run.settings.with_namespace("side"))
+    conn = run.checker.conn
+
+    def fill() -> None:
+        for i in itertools.count():
+            try:
+                conn.replace(f"/fill/{i}", b"x" * 100_000, 0)
+            except EtcdNoSpaceError:
+                return
+
+    run.fail(victim, fill, affected=[victim.engine_id, peer.engine_id])
+    changed = {"v": "1"}
+    run.extra["refused"] = _timed(
+        lambda: side.registration.update(labels=changed), EtcdNoSpaceError
+    )
+    try:
+        run.lasted(3 * TTL)  # keepalives answered all along: nothing is lost
+    finally:
+        run.recover(lambda: _free_space(run.cluster))
+    key = run.settings.with_namespace("side").keyspace.key("side")
+    wait_for(
+        lambda: (
+            json.loads(conn.call(lambda: conn.get(key)).value).get("labels")  # type: ignore[union-attr]
+            == changed
+        ),
+        timeout=10,
+        message="the change made under NOSPACE published",
+    )
+    run.extra["published"] = time.monotonic() - run.recovered_at  # type: ignore[operator]
+    run.back(timeout=10, settle=0.5)
+    return run.finish()
+
+
+def _free_space(cluster: EtcdCluster) -> None:
+    """The runbook (docs/operations/etcd.md): delete, compact, defrag, disarm."""
+    assert cluster.etcdctl("del", "--prefix", "/fill/").returncode == 0
+    status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json").stdout)
+    revision = status[0]["Status"]["header"]["revision"]
+    for args in (("compact", str(revision)), ("defrag",), ("alarm", "disarm")):
+        done = cluster.etcdctl(*args)
+        assert done.returncode == 0, done.stderr
+
+
+def oversized_update(run: Run) -> Figures:
+    _limited(run, "--max-request-bytes", "8192")
+    served = _Served(run, "victim", ttl=TTL, settings=run.settings)
+    peer = run.launch("peer")
+    run.route()
+    run.ready(peer)
+    assert run.table is not None
+    table = run.table
+    wait_for(lambda: _pickable(table.get("victim")), timeout=30, message="victim ready")
+    reg = served.registration
+    big = _labels(12_000)
+    run.extra["refused"] = _timed(lambda: reg.update(labels=big), RequestTooLargeError)
+    lease = reg.lease_id
+    conn = run.checker.conn
+    assert lease is not None
+    # The figures' victim, by its id: an engine of this process, not one of run.engines.
+    run.fail(cast(Engine, served), lambda: conn.call(lambda: conn.revoke(lease)))
+    run.evicted(timeout=10)
+    run.back(timeout=TTL + 10, settle=1)
+    return run.finish()
+
+
+def oversized_session_repair(run: Run) -> Figures:
+    _pair(run)  # routed engines the repair must not disturb
+    settings = run.settings.with_namespace("session")
+    labels = _labels(15_800)
+    with Session(ttl=int(TTL), settings=settings) as session:
+        regs = [
+            register_engine(
+                InferenceEngineEndpoint(f"tcp://127.0.0.1:{10_000 + i}", _CAPABILITIES),
+                engine_id=f"s{i:03d}",
+                labels=labels,
+                session=session,
+            )
+            for i in range(100)
+        ]
+        lease = session.lease_id
+        assert lease is not None
+        conn = run.checker.conn
+        prefix = settings.keyspace.prefix
+        run.fail(None, lambda: conn.call(lambda: conn.revoke(lease)))
+
+        def all_back() -> bool:
+            _, kvs = conn.list_prefix(prefix)
+            return len(kvs) == len(regs) and all(kv.lease not in (0, lease) for kv in kvs)
+
+        wait_for(all_back, timeout=TTL + 10, message="100 records of 16 KiB back", interval=0.05)
+        run.extra["session_back"] = time.monotonic() - run.failure_at  # type: ignore[operator]
     run.recover()
     return run.finish()
 
@@ -1721,6 +1881,43 @@ SCENARIOS: dict[str, Scenario] = {
             auth_token_expiry,
             {"evict": TTL + 0.5, "late_seen": 1.0, "token_kept": 0, "relist_short": 0},
             knob="nothing: an expired token is replaced at the next call or stream",
+        ),
+        Scenario(
+            "nospace",
+            "the issue's own (issue 43: NOSPACE surfaced as unavailable after the dial timeout)",
+            "etcd's space quota filled (NOSPACE alarm) for 3 TTLs, then compact, defrag, "
+            "alarm disarm; an engine changes its record meanwhile",
+            "single",
+            nospace,
+            {
+                "back": 0.0,
+                "readds": 0,
+                "failed_picks": 0,
+                "refused": 0.5,
+                "published": TTL / 3 + 0.5,
+            },
+            returns=True,
+            alive=True,
+            knob="the runbook (docs/operations/etcd.md): compact, defrag, alarm disarm",
+        ),
+        Scenario(
+            "oversized-update",
+            "the issue's own (issue 43: a refused update replaced the record; lost for good)",
+            "an update over the members' --max-request-bytes, then the engine's lease revoked",
+            "single",
+            oversized_update,
+            {"back": TTL / 3 + 0.5, "readds": 1, "failed_picks": 0, "refused": 0.5},
+            returns=True,
+            knob="`DISCOVERY_ETCD_MAX_REQUEST_BYTES` = the members' `--max-request-bytes`",
+        ),
+        Scenario(
+            "oversized-session-repair",
+            "the issue's own (issue 43: 0 of 100 records back, the repair over 1.5 MiB)",
+            "the lease of a session holding 100 records of 16 KiB revoked",
+            "single",
+            oversized_session_repair,
+            {"session_back": TTL / 3 + 0.5},
+            knob="`DISCOVERY_ETCD_MAX_REQUEST_BYTES` = the members' `--max-request-bytes`",
         ),
     )
 }

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from discovery import Connection, Settings, register_engine
-from discovery._records.codec import encode
+from discovery._records.codec import KeySpace, encode
 from discovery._records.record import EngineRecord
 from discovery.cli import build_parser
 from discovery.cli._args import settings_argv, settings_from_args
@@ -96,6 +96,28 @@ def test_list_refuses_a_record_that_lies_saying_why(settings: Settings) -> None:
         rows = dict(line.split(None, 1) for line in lines[4:6])
         assert rows == refused, fmt
         assert lines[6] == "(2 refused)", fmt
+
+
+def test_list_warns_once_of_each_skipped_value_and_shows_keys_as_etcdctl(
+    settings: Settings,
+) -> None:
+    prefix = KeySpace(settings.root, settings.namespace).prefix
+    with Connection(settings) as conn:
+        conn.replace(f"{prefix}bad", b"{not json", 0)
+        raw_call(conn, lambda c: c.put(f"{prefix}k".encode() + b"\xff\xfe", b"{}"))
+        for fmt in ("table", "wide", "json"):
+            result = run_cli(settings, "list", "-o", fmt)
+            assert result.returncode == 0, result.stderr
+            warnings = result.stderr.splitlines()
+            if fmt != "json":  # the tables show them as refused rows, and warn of none
+                assert warnings == [], (fmt, warnings)  # wide's watcher does not warn again
+                warnings = [line for line in result.stdout.splitlines() if line.startswith("/")]
+            assert len(warnings) == 2, warnings  # each bad value once
+            assert any(f"{prefix}bad" in line for line in warnings), warnings
+            # byte 0xff as etcdctl escapes it, once (not \\xff)
+            assert any(f"{prefix}k\\xff\\xfe" in line for line in warnings), warnings
+            shown = result.stderr if fmt == "json" else result.stdout  # JSON escapes "\\"
+            assert "\\\\" not in shown
 
 
 def test_list_takes_set_based_selectors(settings: Settings) -> None:

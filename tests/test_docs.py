@@ -129,6 +129,8 @@ INTENDED = {
     "InvalidSelectorError",
     "EtcdError",
     "EtcdUnavailableError",
+    "EtcdNoSpaceError",
+    "RequestTooLargeError",
     "PermissionDeniedError",
     "EngineConflictError",
     "NoEngineAvailableError",

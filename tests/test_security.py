@@ -123,6 +123,16 @@ def test_wrong_ca_is_refused_clearly_not_hung(etcd_tls: EtcdCluster, pki: Pki) -
     assert "handshake" in str(caught.value).lower() or "certificate" in str(caught.value).lower()
 
 
+def test_an_http_endpoint_against_a_tls_member_says_so(etcd_tls: EtcdCluster, pki: Pki) -> None:
+    plain = etcd_tls.endpoints[0].replace("https://", "http://")
+    settings = Settings(endpoints=[plain], namespace="tls", dial_timeout=1)
+    with pytest.raises(EtcdUnavailableError) as caught:
+        register_engine(make_endpoint(), settings=settings)
+    assert f"{plain} answers with TLS, not plaintext: use https://" in str(caught.value)
+    with pytest.raises(EtcdUnavailableError, match="answers with TLS"):
+        EndpointWatcher(settings).start()
+
+
 def test_missing_client_certificate_is_refused(etcd_tls: EtcdCluster, pki: Pki) -> None:
     settings = _tls_settings(etcd_tls, pki, cert=None, key=None, dial_timeout=1)
     with pytest.raises(EtcdUnavailableError):

@@ -377,6 +377,20 @@ def test_from_env_bad_member_sync_interval_is_refused(raw: str, message: str) ->
         Settings.from_env({"DISCOVERY_MEMBER_SYNC_INTERVAL": raw})
 
 
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "4096", None], ids=repr)
+def test_bad_max_request_bytes_is_refused(bad: Any) -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"^max_request_bytes must be a positive whole number of bytes"
+    ):
+        Settings(max_request_bytes=bad)
+
+
+def test_max_request_bytes_defaults_to_etcds_and_names_a_bad_variable() -> None:
+    assert Settings().max_request_bytes == 1_572_864  # etcd's own --max-request-bytes
+    with pytest.raises(ConfigurationError, match=r"DISCOVERY_ETCD_MAX_REQUEST_BYTES='1\.5MiB' is"):
+        Settings.from_env({"DISCOVERY_ETCD_MAX_REQUEST_BYTES": "1.5MiB"})
+
+
 # --- Root and namespace -------------------------------------------------------------------
 
 
@@ -414,6 +428,7 @@ EVERY_VARIABLE = {
     "DISCOVERY_ALLOW_INSECURE_AUTH",
     "DISCOVERY_MEMBER_SYNC",
     "DISCOVERY_MEMBER_SYNC_INTERVAL",
+    "DISCOVERY_ETCD_MAX_REQUEST_BYTES",
 }
 
 
@@ -433,6 +448,7 @@ def full_environ(tls_files: dict[str, str]) -> dict[str, str]:
         "DISCOVERY_ALLOW_INSECURE_AUTH": "0",
         "DISCOVERY_MEMBER_SYNC": "off",
         "DISCOVERY_MEMBER_SYNC_INTERVAL": "12",
+        "DISCOVERY_ETCD_MAX_REQUEST_BYTES": "65536",
         "UNRELATED": "x",
     }
 
@@ -455,6 +471,7 @@ def test_from_env_reads_every_variable(tls_files: dict[str, str]) -> None:
     assert (settings.username, settings.password) == ("router", PASSWORD)
     assert settings.allow_insecure_auth is False
     assert (settings.member_sync, settings.member_sync_interval) == (False, 12.0)
+    assert settings.max_request_bytes == 65536
 
 
 @pytest.mark.parametrize(

@@ -46,8 +46,11 @@ import functools
 import logging
 import math
 import operator
+import os
 import queue
 import random
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -76,8 +79,10 @@ from discovery._errors import (
     ConfigurationError,
     DiscoveryError,
     EtcdError,
+    EtcdNoSpaceError,
     EtcdUnavailableError,
     PermissionDeniedError,
+    RequestTooLargeError,
 )
 from discovery._etcd.port import (
     MAX_BATCH,
@@ -95,7 +100,7 @@ from discovery._etcd.port import (
     explain,
 )
 from discovery._metrics import NO_METRICS, MetricsHooks
-from discovery._settings import Settings, parse_endpoint
+from discovery._settings import ETCD_MAX_REQUEST_BYTES, Settings, parse_endpoint
 
 __all__ = ["Connection"]
 
@@ -141,6 +146,13 @@ _TRANSIENT_ETCD3 = (
 _MEMBER_FAILURE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 )
+# etcd's ErrGRPCNoSpace: writes are refused until an operator frees space (not transient).
+_NO_SPACE = "database space exceeded"
+# etcd's ErrGRPCRequestTooLarge, and gRPC's own refusal of a message over etcd's
+# --max-request-bytes plus its 512 KiB allowance: the same request fails again (not transient).
+_TOO_LARGE = ("request is too large", "received message larger than max")
+_SOCKET_CLOSED = "Socket closed"  # gRPC's reason when a member hangs up (a TLS one on plaintext)
+_TLS_PROBE_TIMEOUT = 0.5
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # etcd's clientv3.WithRequireLeader: no stream on (or kept by) a member without a leader.
 _REQUIRE_LEADER = ("hasleader", "true")
@@ -188,18 +200,49 @@ def is_transient(exc: BaseException) -> bool:
     if _closed_channel(exc):
         return True  # a member's channel closed under the call (it left the cluster)
     rpc = _rpc_error(exc)
-    return rpc is not None and rpc.code() in _TRANSIENT_CODES
+    return rpc is not None and rpc.code() in _TRANSIENT_CODES and not _refused(rpc)
 
 
-def translate(exc: BaseException, endpoints: Sequence[str] = ()) -> DiscoveryError:
-    """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``)."""
+def _refused(rpc: grpc.RpcError) -> bool:
+    """Whether etcd refused the request itself and will again (RESOURCE_EXHAUSTED says not)."""
+    details = rpc.details() or ""
+    return _NO_SPACE in details or any(sign in details for sign in _TOO_LARGE)
+
+
+def translate(
+    exc: BaseException,
+    endpoints: Sequence[str] = (),
+    *,
+    user: str | None = None,
+    key: str | None = None,
+    size: int | None = None,
+    limit: int = ETCD_MAX_REQUEST_BYTES,
+) -> DiscoveryError:
+    """Map any etcd3 / gRPC error to a discovery exception (callers use ``raise ... from``).
+
+    ``user``, ``key`` (or prefix) and ``size`` (the bytes a write carried) say what the
+    call was, for the errors etcd itself does not explain; ``limit``: the members'
+    ``--max-request-bytes`` as the settings know it.
+    """
     if isinstance(exc, DiscoveryError):
         return exc
     what = describe(exc)
     rpc = _rpc_error(exc)
     code = rpc.code() if rpc is not None else None
     if code in _AUTH_CODES or "authentication failed" in what or "user name is empty" in what:
-        return PermissionDeniedError(f"etcd refused the request: {what}")
+        who = f"etcd user {user!r}" if user else "no etcd user (no credentials given)"
+        on = f" on {key!r}" if key else ""
+        return PermissionDeniedError(f"etcd refused the request{on} for {who}: {what}")
+    if _NO_SPACE in what:
+        return EtcdNoSpaceError(what)
+    if any(sign in what for sign in _TOO_LARGE):
+        return RequestTooLargeError(
+            size or 0,
+            limit,
+            "write fewer records at once, shorten their labels and extra fields, or raise "
+            "the members' limit",
+            what,
+        )
     if isinstance(exc, _TokenExpired):
         return _TokenRejected("etcd rejected the auth token; authenticating again", what)
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in what:
@@ -601,6 +644,11 @@ class Connection(CloseHooks):
         return self.settings.election_timeout
 
     @property
+    def max_request_bytes(self) -> int:
+        """``settings.max_request_bytes``: the members' request limit."""
+        return self.settings.max_request_bytes
+
+    @property
     def member_in_use(self) -> str:
         """``host:port`` of the member calls go to now."""
         return str(self._current().endpoint_in_use.netloc)
@@ -631,10 +679,18 @@ class Connection(CloseHooks):
 
     # -- calls --------------------------------------------------------------------------
 
-    def _attempt(self, op: Callable[[_Client], T], *, sync: bool = True) -> T:
+    def _attempt(
+        self,
+        op: Callable[[_Client], T],
+        *,
+        sync: bool = True,
+        key: str | None = None,
+        size: int | None = None,
+    ) -> T:
         """Run ``op`` once on the client; every failure leaves as a DiscoveryError.
 
         ``sync``: start following the membership after it, if not yet (member_sync).
+        ``key`` (or prefix) and ``size`` (the bytes it writes) name the call in errors.
         """
         client = None
         try:
@@ -650,7 +706,14 @@ class Connection(CloseHooks):
                 # A stub cached on a removed member's channel (built while replace_members
                 # ran): the retry builds it again on the member in use.
                 client._clear_old_stubs()
-            raise translate(exc, self._endpoints) from exc
+            raise translate(
+                exc,
+                self._endpoints,
+                user=self.settings.username,
+                key=key,
+                size=size,
+                limit=self.settings.max_request_bytes,
+            ) from exc
         finally:
             if sync and client is not None:
                 self._follow_membership()
@@ -683,6 +746,15 @@ class Connection(CloseHooks):
             return retrying(attempt)
         except _TokenRejected as exc:
             raise PermissionDeniedError("etcd keeps rejecting the auth token") from exc
+        except EtcdUnavailableError as exc:
+            tls = _answering_tls(self._endpoints) if _SOCKET_CLOSED in (exc.reason or "") else []
+            if not tls:
+                raise
+            raise EtcdUnavailableError(
+                f"etcd unavailable: {', '.join(tls)} answers with TLS, not plaintext: use "
+                f"https:// (and ca_cert, DISCOVERY_ETCD_CA_CERT, for its CA) ({exc.reason})",
+                exc.reason,
+            ) from exc
 
     def list_prefix(
         self, prefix: str, *, page_size: int = PAGE_SIZE, timeout: float | None = None
@@ -725,7 +797,7 @@ class Connection(CloseHooks):
         """
         key = prefix.encode()
         request = _Range(key, prefix_range_end(key), first_page or page_size, 0)
-        page = self._range_page(request, timeout, None)
+        page = self._range_page(request, timeout, None, prefix)
         request = request._replace(revision=page.header.revision, limit=page_size)
         while True:
             kvs = page.kvs
@@ -736,7 +808,7 @@ class Connection(CloseHooks):
             yield request.revision, _key_values(kvs)
             if not (page.more and kvs):
                 return
-            page = self._range_page(request, timeout, ahead)
+            page = self._range_page(request, timeout, ahead, prefix)
 
     def _range_ahead(self, request: _Range) -> _Ahead | None:
         """An async Range request for a page, or None if it cannot be sent now."""
@@ -758,8 +830,10 @@ class Connection(CloseHooks):
             return None
         return _Ahead(future, client, member)
 
-    def _range_page(self, request: _Range, timeout: float | None, ahead: _Ahead | None) -> Any:
-        """One page: ``ahead``'s answer (its first attempt), then (retried) reads now.
+    def _range_page(
+        self, request: _Range, timeout: float | None, ahead: _Ahead | None, prefix: str
+    ) -> Any:
+        """One page of ``prefix``: ``ahead``'s answer (its first attempt), then (retried) reads.
 
         A listing's pages do not start the member sync (a watcher's watch does, on its own
         thread): no thread start holds up a new watcher's first listing.
@@ -769,19 +843,22 @@ class Connection(CloseHooks):
 
         def attempt() -> Any:
             if sent:
-                return self._attempt(lambda _: _compacted_as_such(sent.pop().result), sync=False)
+                return self._attempt(
+                    lambda _: _compacted_as_such(sent.pop().result), sync=False, key=prefix
+                )
             return self._attempt(
                 lambda c: _compacted_as_such(
                     lambda: c.get_range_response(start, end, limit=limit, revision=revision or None)
                 ),
                 sync=False,
+                key=prefix,
             )
 
         return self.call(attempt, timeout=timeout)
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""
-        kvs = self._attempt(lambda c: c.get_response(key).kvs)
+        kvs = self._attempt(lambda c: c.get_response(key).kvs, key=key)
         return _key_value(kvs[0]) if kvs else None
 
     def grant(self, ttl: int) -> int:
@@ -847,7 +924,7 @@ class Connection(CloseHooks):
             previous = _key_value(put.prev_kv) if put.prev_kv.key else None
             return PutResult(True, put.header.revision, previous)
 
-        return self._attempt(transact)
+        return self._attempt(transact, key=key, size=len(key.encode()) + len(value))
 
     def create_many(self, items: Sequence[tuple[str, bytes]], lease_id: int) -> list[PutResult]:
         """Create each absent key on ``lease_id`` in one transaction of nested ones."""
@@ -884,11 +961,12 @@ class Connection(CloseHooks):
                     results.append(PutResult(False, found.header.revision, current))
             return results
 
-        return self._attempt(transact)
+        size = sum(len(key.encode()) + len(value) for key, value, _ in items)
+        return self._attempt(transact, key=_common_prefix(items), size=size)
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
-        return bool(self._attempt(lambda c: c.delete(key)))
+        return bool(self._attempt(lambda c: c.delete(key), key=key))
 
     def delete_owned(self, key: str, lease_id: int) -> bool:
         """Delete ``key`` only if it is bound to ``lease_id``."""
@@ -901,7 +979,7 @@ class Connection(CloseHooks):
             )
             return bool(ok)
 
-        return self._attempt(transact)
+        return self._attempt(transact, key=key)
 
     # -- streams --------------------------------------------------------------------------
 
@@ -923,6 +1001,39 @@ class Connection(CloseHooks):
     def open_keepalive(self) -> _KeepAliveStream:
         """Open one leader-required LeaseKeepAlive stream to refresh any number of leases."""
         return self._attempt(lambda c: _KeepAliveStream(c, self._reset_client))
+
+
+def _common_prefix(items: Sequence[tuple[str, bytes, int]]) -> str | None:
+    """The one key of a batch, or the prefix its keys share (for errors)."""
+    keys = [key for key, _, _ in items]
+    return os.path.commonprefix(keys) or None  # noqa: RUF071 (keys, not paths: a prefix)
+
+
+def _answering_tls(endpoints: Sequence[str]) -> list[str]:
+    """The ``http://`` endpoints whose member completes a TLS handshake (a scheme mistake).
+
+    Asked only once a call has given up on "Socket closed", gRPC's word for a TLS member
+    hanging up on plaintext: nothing else tells that mistake from a member going away.
+    """
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # whether it speaks TLS, not whether we trust it
+    found = []
+    for url in endpoints:
+        if not url.startswith("http://"):
+            continue
+        try:
+            with (
+                socket.create_connection(_host_port(url), timeout=_TLS_PROBE_TIMEOUT) as raw,
+                context.wrap_socket(raw),
+            ):
+                found.append(url)
+        except ssl.SSLError as exc:
+            if "ALERT" in (exc.reason or ""):  # a TLS alert (say, a client cert required)
+                found.append(url)
+        except OSError:  # refused, timed out, reset
+            pass
+    return found
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -1063,6 +1174,7 @@ class _WatchStream(_Stream):
         progress_interval: float,
     ) -> None:
         super().__init__(client, on_token_expired)
+        self._prefix = prefix
         key = prefix.encode()
         # progress_notify: etcd's periodic progress responses (member flag
         # --experimental-watch-progress-notify-interval) also cross an etcd gRPC proxy,
@@ -1138,7 +1250,7 @@ class _WatchStream(_Stream):
             # "invalid auth token" (upstream #1227: a watch that never resumes).
             # Authenticate again; a real lack of permission stays denied.
             self._on_token_expired(self._client)
-        return PermissionDeniedError(f"etcd refused the watch: {reason}")
+        return PermissionDeniedError(f"etcd refused the watch of {self._prefix!r}: {reason}")
 
     def close(self) -> None:
         """Cancel the stream and stop its watchdog."""

@@ -49,6 +49,34 @@ PAGE_SIZE = 1000
 MAX_BATCH = 100
 """Keys per ``create_many`` or ``update_many`` call (etcd allows 128 operations per txn)."""
 
+REQUEST_OVERHEAD = 1024
+"""Bytes a request may take besides its keys and values (its envelope, etcd's raft header)."""
+
+
+def write_bytes(key: str, value: bytes) -> int:
+    """At most what one key's compare-and-put adds to a transaction (the key goes thrice)."""
+    return 3 * len(key.encode()) + len(value) + 64
+
+
+def batches(items: Sequence[T], size: Callable[[T], int], limit: int) -> Iterator[Sequence[T]]:
+    """``items`` in order, in runs of at most ``MAX_BATCH`` and ``limit`` request bytes.
+
+    ``size`` is what one item adds to the request (``write_bytes``); an item that does not
+    fit even alone goes in a run of its own, for etcd to refuse that one only.
+    """
+    budget = limit - REQUEST_OVERHEAD
+    run: list[T] = []
+    used = 0
+    for item in items:
+        cost = size(item)
+        if run and (len(run) == MAX_BATCH or used + cost > budget):
+            yield run
+            run, used = [], 0
+        run.append(item)
+        used += cost
+    if run:
+        yield run
+
 
 class KeyValue(NamedTuple):
     """One key as etcd stores it. ``lease`` is 0 for a key without a lease.
@@ -221,6 +249,11 @@ class EtcdPort(Protocol):
     @property
     def election_timeout(self) -> float:
         """Etcd's election timeout in seconds: how soon a partitioned member is left."""
+        ...
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The members' ``--max-request-bytes``: batched writes stay under it (``batches``)."""
         ...
 
     @property

@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from discovery._errors import InvalidRecordError
+from discovery._errors import InvalidRecordError, shown_key
 from discovery._records.endpoint import _FIELD_NAMES as CAPABILITY_FIELDS
 from discovery._records.endpoint import InferenceEngineEndpoint, _set, capabilities_schema
 from discovery._records.handoff import (
@@ -67,7 +67,8 @@ def _check_name(value: object, what: str) -> str:
         raise InvalidRecordError(f"{what} must be a string, not {type(value).__name__}")
     if not _NAME.fullmatch(value):
         raise InvalidRecordError(
-            f"{what} {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-' "
+            f"{what} {shown_key(value)} is not allowed: use 1-128 letters, digits, '.', '_' "
+            "or '-' "
             "(and not only dots)"
         )
     return value

@@ -53,10 +53,19 @@ from discovery._errors import (
     ConfigurationError,
     DiscoveryError,
     EngineConflictError,
+    EtcdNoSpaceError,
     InvalidRecordError,
     RecordDecodeError,
+    RequestTooLargeError,
 )
-from discovery._etcd.port import EtcdPort, KeyValue, LeaseGone, PutResult
+from discovery._etcd.port import (
+    REQUEST_OVERHEAD,
+    EtcdPort,
+    KeyValue,
+    LeaseGone,
+    PutResult,
+    write_bytes,
+)
 from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._records.codec import KeySpace, encode
 from discovery._records.endpoint import DynamicEngineLike, InferenceEngineEndpoint
@@ -92,6 +101,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_TTL = 10.0
 _PUBLISH_ATTEMPTS = 8  # outside changes racing one publish: give up (and retry later)
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
+_SHORTEN = "shorten the record's labels and extra fields, or raise the members' limit"
 
 
 class RegistrationState(enum.StrEnum):
@@ -180,6 +190,7 @@ class Registration:
         metrics: MetricsHooks | None = None,
     ) -> None:
         self._record = record
+        self._accepted = record  # the record as etcd holds it: kept when etcd refuses ours
         self._session = session
         self._private = private  # the session is ours alone: closing us closes it
         self._conn: EtcdPort = session.connection
@@ -304,8 +315,10 @@ class Registration:
         ``endpoint`` may be Megatron-Core's own record (any object with its ``to_dict()``);
         keys of it this version does not know are stored too. Keys of the stored value
         this version does not know stay as they are. Raises EtcdUnavailableError when etcd
-        cannot be reached in time; the change is kept and published as soon as etcd
-        answers again.
+        cannot be reached in time, EtcdNoSpaceError when its space quota is full: the
+        change is kept and published as soon as etcd takes it. Raises RequestTooLargeError
+        when the record is over the members' request limit: the change is dropped, and the
+        last record etcd accepted stays (kept alive, written again after a lost lease).
         """
         parts = None if endpoint is None else endpoint_parts(endpoint)
         role = None if role is None else validate_role(role)
@@ -416,7 +429,8 @@ class Registration:
                 return  # nothing to change
             if "weight_version" in own:
                 check_version_order(self._record.weight_version, record.weight_version, force=force)
-            encode(record)  # refuses a bad or oversized record before anything changes
+            value = encode(record)  # refuses a bad or oversized record before any change
+            self._check_request(value)
             self._record = record
             self._dirty = True
             self._changes += 1
@@ -431,8 +445,10 @@ class Registration:
         if registered:
             try:
                 self._conn.call(self._publish)
-            except DiscoveryError:
-                self._session._publish_later(self)
+            except DiscoveryError as exc:
+                if not isinstance(exc, RequestTooLargeError):
+                    self._session._publish_later(self)
+                self._write_refused(exc)
                 raise
             with self._lock:
                 refused = self._refused
@@ -444,6 +460,7 @@ class Registration:
         self._dirty = False
         self._pending = _NOTHING
         self._forced = False
+        self._last_error = None  # a refusal (NOSPACE, too large) is over
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -476,6 +493,7 @@ class Registration:
         with self._lock:
             self._lease_id = lease_id
             self._mod_revision = revision
+            self._accepted = self._record
             self._published()
             self._registrations += 1
         self._fire(_Event.WRITTEN)
@@ -645,7 +663,10 @@ class Registration:
             if result.succeeded:
                 with self._lock:
                     self._mod_revision = max(self._mod_revision, result.revision)
-                    if self._record is record:
+                    self._accepted = record
+                    # Equal, not identical: our record watch may have adopted this very
+                    # write (a copy of it) before its answer came back.
+                    if self._record == record:
                         self._published()
                 return
             found = result.previous
@@ -660,8 +681,45 @@ class Registration:
         try:
             self._conn.call(self._publish, timeout=0)
         except DiscoveryError as exc:
-            log.warning("%s: publishing a change failed: %s", self.engine_id, exc)
-            self._session._publish_later(self)
+            if not self._write_refused(exc):
+                log.warning("%s: publishing a change failed: %s", self.engine_id, exc)
+            if not isinstance(exc, RequestTooLargeError):
+                self._session._publish_later(self)
+
+    def _write_refused(self, exc: DiscoveryError) -> bool:
+        """Whether etcd refused our write for good (NOSPACE, too large): then say so once.
+
+        The lease and the record etcd holds stay. Under NOSPACE the change is published
+        once etcd takes writes again; a change too large is dropped: the record goes back
+        to the last one etcd accepted, which is kept alive (and written again after a
+        lease loss) instead.
+        """
+        if not isinstance(exc, (EtcdNoSpaceError, RequestTooLargeError)):
+            return False
+        too_large = isinstance(exc, RequestTooLargeError)
+        reason = str(exc)
+        with self._lock:
+            first = self._last_error != reason
+            self._last_error = reason
+            if too_large:
+                self._record = self._accepted
+                self._dirty = False
+                self._pending = _NOTHING
+                self._forced = False
+        if too_large:
+            self._session._unpublished_done(self)
+            self._status_changed()
+        if first:
+            kept = "the last accepted record is kept" if too_large else "a change is kept"
+            log.warning("%s: %s, etcd refused a write: %s", self.engine_id, kept, reason)
+        return True
+
+    def _check_request(self, value: bytes) -> None:
+        """Refuse a record whose write would be over the members' request limit."""
+        size = write_bytes(self.key, value) + REQUEST_OVERHEAD
+        limit = self._conn.max_request_bytes
+        if size > limit:
+            raise RequestTooLargeError(size, limit, _SHORTEN, "not sent: etcd would refuse it")
 
     # -- called by the session and the record watch -----------------------------------
 
@@ -708,6 +766,7 @@ class Registration:
             self._retry_at = 0.0
             if found is None:  # written: the record is ours as we wrote it
                 self._mod_revision = result.revision
+                self._accepted = record
                 if self._record is self._prepared_from:
                     self._record = record
                     self._published()
@@ -776,6 +835,7 @@ class Registration:
             if found is None:
                 self._dirty = True
                 return True
+            self._accepted = self._accepted.adopting(found)
             before, pending = self._record, self._pending
             if "weight_version" in pending and not self._forced:
                 try:

@@ -3,9 +3,10 @@
 etcd's ``concurrency.Session`` idea. A ``Session`` owns one lease and its keepalive (a
 turn every TTL/3 on the connection's ``LeaseKeeper``), reports the lease lost, and
 repairs: it grants one new lease and writes every member's record again in batches of
-nested create-if-absent transactions (``MAX_BATCH`` keys per request). So keepalive cost
-does not grow with the number of registrations, and a mass loss costs one grant plus
-N / ``MAX_BATCH`` writes instead of N grants and N writes.
+nested create-if-absent transactions (``MAX_BATCH`` keys per request, and no more bytes
+than the members take: ``Settings.max_request_bytes``, so a session of any size comes
+back). So keepalive cost does not grow with the number of registrations, and a mass loss
+costs one grant plus N / ``MAX_BATCH`` writes instead of N grants and N writes.
 
 Per-registration leases stay the default: ``register_engine`` without ``session=`` gives
 the registration a private session (its lease holds exactly one key). Pass a shared
@@ -34,7 +35,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Protocol
@@ -46,8 +47,17 @@ from discovery._errors import (
     EngineConflictError,
     EtcdUnavailableError,
     InvalidRecordError,
+    RequestTooLargeError,
 )
-from discovery._etcd.port import MAX_BATCH, EtcdPort, KeepAliveStream, LeaseGone, PutResult, explain
+from discovery._etcd.port import (
+    EtcdPort,
+    KeepAliveStream,
+    LeaseGone,
+    PutResult,
+    batches,
+    explain,
+    write_bytes,
+)
 from discovery._etcd.transport import connect, keyspace_for
 from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._records.codec import KeySpace
@@ -86,6 +96,8 @@ class _Member(Protocol):
     def _session_closed(self) -> None: ...
 
     def _publish_now(self) -> None: ...
+
+    def _write_refused(self, exc: DiscoveryError) -> bool: ...
 
     def _stopping_mark(self) -> tuple[str, bytes, int] | None: ...
 
@@ -273,6 +285,11 @@ class Session:
             self._unwritten.add(member)
         self._start_repair()
 
+    def _unpublished_done(self, member: _Member) -> None:
+        """``member`` has no change to publish any more (etcd refused it for good)."""
+        with self._lock:
+            self._unpublished.discard(member)
+
     def _publish_later(self, member: _Member) -> None:
         """Publish ``member``'s change once etcd answers again."""
         with self._lock:
@@ -457,25 +474,45 @@ class Session:
             return True
 
     def _write_records(self, lease_id: int) -> None:
-        """Write every unwritten member's record on ``lease_id``, MAX_BATCH per request."""
+        """Write every unwritten member's record on ``lease_id``, batch by batch.
+
+        Batches of MAX_BATCH keys at most, and of the members' request limit
+        (``max_request_bytes``).
+        """
         now = time.monotonic()
         with self._lock:
             todo = sorted((m for m in self._unwritten if m._retry_at <= now), key=lambda m: m.key)
-        for chunk in _chunks(todo, MAX_BATCH):
-            items = []
-            writers = []
-            for member in chunk:
-                prepared = member._prepare_write()
-                if prepared is not None:
-                    items.append((member.key, prepared[1]))
-                    writers.append((member, prepared[0]))
-            if not items:
-                continue
-            results: Sequence[PutResult] = self._conn.create_many(items, lease_id)
-            for (member, record), result in zip(writers, results, strict=True):
-                if member._written(lease_id, record, result):
-                    with self._lock:
-                        self._unwritten.discard(member)
+        prepared = []
+        for member in todo:
+            found = member._prepare_write()
+            if found is not None:
+                prepared.append((member, *found))
+        limit = self._conn.max_request_bytes
+        for chunk in batches(prepared, lambda p: write_bytes(p[0].key, p[2]), limit):
+            self._create(chunk, lease_id)
+
+    def _create(self, chunk: Sequence[tuple[_Member, EngineRecord, bytes]], lease_id: int) -> None:
+        """Create one batch of records; halves it while etcd refuses it as too large.
+
+        (The members' ``--max-request-bytes`` below the settings' one.) A record refused
+        alone stays unwritten, its registration says why, the others are written.
+        """
+        try:
+            results: Sequence[PutResult] = self._conn.create_many(
+                [(member.key, value) for member, _, value in chunk], lease_id
+            )
+        except RequestTooLargeError as exc:
+            if len(chunk) == 1:
+                chunk[0][0]._write_refused(exc)
+                return
+            half = len(chunk) // 2
+            self._create(chunk[:half], lease_id)
+            self._create(chunk[half:], lease_id)
+            return
+        for (member, record, _), result in zip(chunk, results, strict=True):
+            if member._written(lease_id, record, result):
+                with self._lock:
+                    self._unwritten.discard(member)
 
     def mark_stopping(
         self, marks: Sequence[tuple[str, bytes, int]], lease_id: int, deadline: float
@@ -486,8 +523,8 @@ class Session:
         Best effort until ``deadline``: a record changed meanwhile, or an etcd that does not
         answer, only leaves the removal unannounced.
         """
-        for start in range(0, len(marks), MAX_BATCH):
-            chunk = marks[start : start + MAX_BATCH]
+        limit = self._conn.max_request_bytes
+        for chunk in batches(marks, lambda mark: write_bytes(mark[0], mark[1]), limit):
             try:
                 self._conn.call(
                     partial(self._conn.update_many, chunk, lease_id),
@@ -503,11 +540,6 @@ class Session:
             self._unpublished.clear()
         for member in pending:
             member._publish_now()
-
-
-def _chunks(items: Sequence[_Member], size: int) -> Iterable[Sequence[_Member]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 _live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()

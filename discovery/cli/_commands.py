@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from discovery import (
     Connection,
@@ -235,7 +236,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         )
         return 0
     if args.format == "wide":
-        cells, shares = _relayed(settings, selector, listing.engines, split)
+        with _reported(listing.skipped):
+            cells, shares = _relayed(settings, selector, listing.engines, split)
         print(_table(listing.engines, cells) + _refused(listing.skipped))
         if shares:
             print(shares)
@@ -251,6 +253,26 @@ def _refused(skipped: tuple[RecordDecodeError, ...]) -> str:
     width = max(len("REFUSED KEY"), *(len(s.key) for s in skipped))
     rows = [f"{'REFUSED KEY':<{width}}  WHY", *(f"{s.key:<{width}}  {s.reason}" for s in skipped)]
     return "\n" + "\n".join(rows) + f"\n({len(skipped)} refused)"
+
+
+@contextlib.contextmanager
+def _reported(skipped: tuple[RecordDecodeError, ...]) -> Iterator[None]:
+    """Without the watcher's warnings of the values already reported as skipped.
+
+    ``-o wide`` lists the engines once more through a watcher, which warns of each bad
+    value again: each warning is printed once.
+    """
+    said = {str(exc) for exc in skipped}
+
+    def fresh(record: logging.LogRecord) -> bool:
+        return not (isinstance(record.args, tuple) and any(str(a) in said for a in record.args))
+
+    watcher_log = logging.getLogger(EndpointWatcher.__module__)  # where it logs skips
+    watcher_log.addFilter(fresh)
+    try:
+        yield
+    finally:
+        watcher_log.removeFilter(fresh)
 
 
 # How long `list -o wide` waits for the engines' state relays to answer.

@@ -55,6 +55,7 @@ from discovery._etcd.port import (
     WatchResponse,
     WatchStream,
 )
+from discovery._settings import ETCD_MAX_REQUEST_BYTES
 
 __all__ = ["MemoryEtcd", "MemoryPort"]
 
@@ -477,7 +478,8 @@ class MemoryPort(CloseHooks):
 
     ``etcd`` is the cluster to share with other ports; without it the port has one of
     its own, closed with it. ``dial_timeout`` and ``election_timeout`` are what the
-    port reports (the defaults are ``Settings``'s). Thread-safe; a context manager.
+    port reports, and ``max_request_bytes`` (the defaults are ``Settings``'s). Thread-safe;
+    a context manager.
     """
 
     def __init__(
@@ -486,12 +488,14 @@ class MemoryPort(CloseHooks):
         *,
         dial_timeout: float = 5.0,
         election_timeout: float = 1.0,
+        max_request_bytes: int = ETCD_MAX_REQUEST_BYTES,
     ) -> None:
         self._owns_etcd = etcd is None
         self.etcd = etcd if etcd is not None else MemoryEtcd()
         """The cluster this port is a client of."""
         self._dial_timeout = dial_timeout
         self._election_timeout = election_timeout
+        self._max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
         super().__init__()
 
@@ -504,6 +508,11 @@ class MemoryPort(CloseHooks):
     def election_timeout(self) -> float:
         """The election timeout this port reports, in seconds."""
         return self._election_timeout
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The request limit this port reports (it refuses none)."""
+        return self._max_request_bytes
 
     @property
     def closed(self) -> bool:
