@@ -1476,6 +1476,8 @@ def auth_token_expiry(run: Run) -> Figures:
     run.extra["late_seen"] = max(0.0, seen - written) if seen is not None else 60.0
     run.ready(late)
     run._pause(3 * AUTH_TOKEN_TTL)  # the peer's lease lives on across more expiries
+    run.recover()
+    return run.finish()
 
 
 # -- etcd's own limits (issue 43): a full space quota, requests over --max-request-bytes -----
