@@ -94,8 +94,11 @@ class RecordWatch:
             if owner is not None:
                 owner.observed(kv if event.is_put else None, kv.mod_revision)
 
-    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
-        """A resync after compaction: tell every owner its key's current state."""
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]], *, reset: bool = False) -> int:
+        """A resync after compaction: tell every owner its key's current state.
+
+        ``reset``: the listing comes from another cluster (data wiped or restored).
+        """
         revision = 0
         current: dict[bytes, KeyValue] = {}
         for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision

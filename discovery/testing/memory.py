@@ -50,6 +50,7 @@ from discovery._etcd.port import (
     LeaseGone,
     LeaseInfo,
     NoLeaderError,
+    Page,
     PutResult,
     WatchEvent,
     WatchResponse,
@@ -546,7 +547,7 @@ class MemoryPort(CloseHooks):
         page_size: int = PAGE_SIZE,
         first_page: int | None = None,
         timeout: float | None = None,
-    ) -> Iterator[tuple[int, list[KeyValue]]]:
+    ) -> Iterator[Page]:
         """(revision, keys) per page of ``prefix``, every page at the first's revision.
 
         The first page holds ``first_page`` keys (default ``page_size``). Raises
@@ -556,11 +557,11 @@ class MemoryPort(CloseHooks):
             lambda: self._cluster()._range(prefix.encode()), timeout=timeout
         )
         first = first_page or page_size
-        yield revision, found[:first]
+        yield Page(revision, found[:first])
         for start in range(first, len(found), page_size):
             # A later page: etcd reads it at the listing's revision.
             self.call(lambda: self._cluster()._readable(revision), timeout=timeout)
-            yield revision, found[start : start + page_size]
+            yield Page(revision, found[start : start + page_size])
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""
