@@ -407,10 +407,11 @@ class Reflector:
         self._metrics.watcher_revision(self.name, self.revision, self._newest)
 
     def _cluster_changed(self, first: Page) -> None:
-        reason = (
-            f"another etcd cluster answered (cluster id {first.cluster_id:x}, was "
-            f"{self._cluster_id:x}; revision {first[0]}, {self.revision} applied)"
-        )
+        if first.cluster_id != self._cluster_id:
+            reason = f"another etcd cluster answered (cluster id {first.cluster_id:x}, was "
+        else:
+            reason = f"etcd's revision went back (cluster id {first.cluster_id:x}, as "
+        reason += f"{self._cluster_id:x}; revision {first[0]}, {self.revision} applied)"
         with self._lock:
             self._cluster_changes += 1
             self._last_error = reason
