@@ -18,7 +18,10 @@ the namespace prefix (a process holding many registrations, typically through a
 ``Session``). Events for other keys are dropped unread. It runs on the list-watch loop
 both watches share (``_etcd/reflector.py``: resume at the last delivered revision, backoff,
 health), started at the owner's own write instead of a listing; a listing after
-compaction reports each owned key's current state (a resync).
+compaction reports each owned key's current state (a resync). A listing from another
+etcd cluster, or behind what was seen (data wiped, a snapshot restored: the reflector's
+``reset``), tells each owner ``rebased`` instead: revisions of the old history mean
+nothing there, and the owner's session writes its records again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ class RecordOwner(Protocol):
 
     def observed(self, kv: KeyValue | None, revision: int) -> None:
         """The key changed at ``revision`` (``kv`` None: deleted).
+
+        Called on the watch thread: must not block on etcd.
+        """
+
+    def rebased(self, kv: KeyValue | None, revision: int) -> None:
+        """A listing at ``revision`` came from another cluster or an older history.
+
+        Its data was wiped, or a snapshot restored; ``kv`` is what it holds for the key.
 
         Called on the watch thread: must not block on etcd.
         """
@@ -107,7 +118,10 @@ class RecordWatch:
             owners = list(self._owners.items())
         for key, owner in owners:
             kv = current.get(key)
-            owner.observed(kv, kv.mod_revision if kv is not None else revision)
+            if reset:
+                owner.rebased(kv, revision)
+            else:
+                owner.observed(kv, kv.mod_revision if kv is not None else revision)
         return revision
 
 

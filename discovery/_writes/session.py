@@ -89,6 +89,8 @@ class _Member(Protocol):
 
     def _stopping_mark(self) -> tuple[str, bytes, int] | None: ...
 
+    def _rebase(self, reason: str) -> None: ...
+
 
 def check_ttl(ttl: object) -> int:
     """A lease TTL in whole seconds (etcd's unit), or InvalidRecordError."""
@@ -140,6 +142,9 @@ class Session:
         self._losses = 0
         self._last_error: str | None = None
         self._last_keepalive: datetime | None = None
+        self._fresh = False  # another cluster: the next repair revokes and grants afresh
+        self._rebased_at: int | None = None  # the listing revision of the last such change
+        self._checked_at: int | None = None  # ...and of the last check of the lease's keys
         started = time.monotonic()
         try:
             self._lease_id = self._conn.call(lambda: self._conn.grant(self.ttl))
@@ -272,6 +277,57 @@ class Session:
                 return
             self._unwritten.add(member)
         self._start_repair()
+
+    def _cluster_changed(self, reason: str, revision: int) -> None:
+        """Another etcd cluster, or an older history of it, holds our keys.
+
+        Its data was wiped or a snapshot restored (the record watch listed it at
+        ``revision``): revoke the lease (the keys a snapshot brought back on it go) and
+        write every member's record again on a fresh one. Once per listing, however many
+        members noticed.
+        """
+        with self._lock:
+            if self._state is _State.CLOSED or self._rebased_at == revision:
+                return
+            self._rebased_at = revision
+            self._fresh = True
+            self._state = _State.LOST
+            self._losses += 1
+            self._last_error = reason
+            members = list(self._members.values())
+            self._unwritten.update(members)
+        log.warning(
+            "lease %016x: %s; writing %d registrations again on a fresh lease",
+            self._lease_id or 0,
+            reason,
+            len(members),
+        )
+        self._metrics.cluster_replaced()
+        for member in members:
+            member._rebase(reason)
+        self._start_repair()
+
+    def _check_lease_keys(self, reason: str, revision: int) -> None:
+        """A member's record held in a replaced cluster's listing (at ``revision``).
+
+        If the lease also holds a key no member owns (a snapshot brought back a member
+        closed since), the cluster changed for the whole session. Once per listing, on a
+        pool thread (the caller is the record watch's).
+        """
+        with self._lock:
+            if self._state is _State.CLOSED or revision in (self._rebased_at, self._checked_at):
+                return
+            self._checked_at, lease_id = revision, self._lease_id
+        if lease_id is not None:
+            self._keeper.submit(self, lambda _: self._stray_keys(lease_id, reason, revision))
+
+    def _stray_keys(self, lease_id: int, reason: str, revision: int) -> None:
+        held = self._conn.lease_info(lease_id).keys
+        with self._lock:
+            owned = {key.encode() for key in self._members}
+        stray = [key.decode(errors="replace") for key in held if key not in owned]
+        if stray:
+            self._cluster_changed(f"{reason}; on its lease, keys of no member: {stray}", revision)
 
     def _publish_later(self, member: _Member) -> None:
         """Publish ``member``'s change once etcd answers again."""
@@ -413,10 +469,10 @@ class Session:
         with self._lock:
             if self._state is not _State.LOST:
                 return self._lease_id
-            old = self._lease_id
+            old, fresh, self._fresh = self._lease_id, self._fresh, False
         started = time.monotonic()
         info = self._conn.lease_info(old) if old is not None else None
-        if old is not None and info is not None and info.ttl > 0:
+        if old is not None and info is not None and info.ttl > 0 and not fresh:
             # It survived (a leader change renews leases): nothing was deleted.
             lease_id, deadline, next_turn = old, started + info.ttl, time.monotonic()
         else:
@@ -446,8 +502,8 @@ class Session:
         False if the session was closed meanwhile.
         """
         with self._lock:
-            if self._state is _State.CLOSED:
-                return False
+            if self._state is _State.CLOSED or self._fresh:
+                return False  # closed, or another cluster meanwhile: its repair follows
             if lease_id != self._lease_id:
                 self._unwritten.update(self._members.values())
             self._state = _State.ALIVE
