@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,15 @@ from discovery import (
     Session,
     Settings,
     register_engine,
+    watch_table,
 )
+from discovery._etcd.port import KeyValue, WatchResponse
+from discovery._etcd.reflector import Reflector
+from discovery._reads.store import Batch, EngineStore, Entry, EventType
 from discovery._records.codec import encode
 from discovery._records.record import EngineRecord
 from discovery.testing.embedded import EtcdCluster
+from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .helpers import Registrar, make_endpoint, raw_call, run_cli, wait_for
 
@@ -41,6 +47,24 @@ _FOLLOWS_WITHIN = 15.0
 
 def _value(engine_id: str, index: int = 0) -> bytes:
     return encode(EngineRecord(engine_id=engine_id, endpoint=make_endpoint(index)))
+
+
+def _entry(engine_id: str, index: int, *, mod_revision: int) -> Entry:
+    record = EngineRecord(engine_id=engine_id, endpoint=make_endpoint(index))
+    return Entry(f"/k/{engine_id}", record, mod_revision)
+
+
+class _Collect:
+    """A store sink that keeps every event."""
+
+    def __init__(self, events: list) -> None:
+        self._events = events
+
+    def deliver(self, batch: Batch) -> None:
+        self._events.extend(batch)
+
+    def close(self) -> None:
+        pass
 
 
 def _put(conn: Connection, settings: Settings, engine_id: str, index: int = 0) -> None:
@@ -256,3 +280,143 @@ def test_an_older_snapshot_restored_is_followed_by_watchers_and_registrars(
         # The registrars' watches follow the restored history: an outside drain is adopted.
         assert run_cli(settings, "drain", "s1").returncode == 0
         wait_for(lambda: members["s1"].status is EngineStatus.DRAINING, message="drain adopted")
+
+
+# -- in memory (the quick tier): the same on MemoryEtcd.wipe(), and the loop's own cases ---
+
+
+@pytest.mark.parametrize("new_id", [False, True], ids=["same-cluster-id", "new-cluster-id"])
+def test_in_memory_a_table_and_a_registration_start_over_on_a_wiped_etcd(
+    memory_etcd: MemoryEtcd, new_id: bool
+) -> None:
+    settings = Settings(endpoints=["memory"], namespace="wiped", dial_timeout=10)
+    key = settings.keyspace.key
+    port = MemoryPort(memory_etcd)
+    with (
+        watch_table(settings, connection=MemoryPort(memory_etcd), heartbeat=1.0) as table,
+        register_engine(
+            make_endpoint(9), engine_id="live", ttl=3, settings=settings, connection=port
+        ) as live,
+    ):
+        for index, name in enumerate("abc"):
+            port.replace(key(name), _value(name, index), 0)
+        for index in range(10):
+            port.replace(key("c"), _value("c", index), 0)
+        table.wait_until(lambda snap: set(snap) == {"a", "b", "c", "live"}, timeout=10)
+        before = memory_etcd.cluster_id
+
+        memory_etcd.wipe(new_id=new_id)
+        assert (memory_etcd.cluster_id != before) is new_id
+        port.replace(key("c2"), _value("c2", 3), 0)
+        table.wait_until(lambda snap: set(snap) == {"c2", "live"}, timeout=_FOLLOWS_WITHIN)
+        assert table.watcher is not None
+        health = table.watcher.health()
+        assert health.cluster_changes == 1 and health.relists == 1, health
+        wait_for(lambda: live.state is RegistrationState.REGISTERED, message="written again")
+        assert port.get(key("live")) is not None
+
+
+class _Deliveries:
+    """A reflector's target that keeps what it was handed."""
+
+    def __init__(self) -> None:
+        self.listings: list[tuple[set[bytes], bool]] = []
+        self.events: list[bytes] = []
+
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]], *, reset: bool = False) -> int:
+        revision, keys = 0, set()
+        for revision, kvs in pages:  # noqa: B007 (the last page's revision is the listing's)
+            keys |= {kv.key for kv in kvs}
+        self.listings.append((keys, reset))
+        return revision
+
+    def apply(self, response: WatchResponse) -> None:
+        self.events.extend(event.kv.key for event in response.events)
+
+
+class _BehindOnce:
+    """A port whose second watch first answers from a member behind the others: its
+    "created" response at a revision below the one asked for, the same cluster id."""
+
+    def __init__(self, port: MemoryPort) -> None:
+        self._port = port
+        self.watches = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._port, name)
+
+    def open_watch(self, prefix: str, revision: int, **options: Any) -> Any:
+        self.watches += 1
+        stream = self._port.open_watch(prefix, revision, **options)
+        if self.watches != 2:
+            return stream
+        behind = WatchResponse(revision - 1, (), self._port.etcd.cluster_id)
+        return _Prefixed(behind, stream)
+
+
+class _Prefixed:
+    def __init__(self, first: WatchResponse, stream: Any) -> None:
+        self._first, self._stream = first, stream
+
+    def __iter__(self) -> Iterator[WatchResponse]:
+        yield self._first
+        yield from self._stream
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def test_a_watch_answer_from_a_member_behind_lists_to_check_and_resumes(
+    memory_etcd: MemoryEtcd,
+) -> None:
+    """An answer below the applied revision from the same cluster may be a member that is
+    only behind: the check's listing is at the applied revision or later, so nothing is
+    replaced, the watch resumes where it was, and no change is lost or delivered twice."""
+    port = MemoryPort(memory_etcd)
+    port.replace("/k/a", b"1", 0)
+    target = _Deliveries()
+    port_behind = _BehindOnce(port)
+    reflector = Reflector(
+        port_behind,  # type: ignore[arg-type]
+        "/k/",
+        target,
+        name="test",
+        heartbeat=10,
+        progress_interval=10,
+    )
+    reflector.start(thread_name="test-reflector")
+    try:
+        wait_for(lambda: target.listings == [({b"/k/a"}, False)], message="the listing")
+        port.replace("/k/b", b"2", 0)
+        wait_for(lambda: target.events == [b"/k/b"], message="the first watch")
+        with memory_etcd.outage():  # the stream ends; the next watch meets the member behind
+            wait_for(lambda: reflector.health().reconnects == 1, message="the stream's end")
+        port.replace("/k/c", b"3", 0)
+        wait_for(lambda: target.events == [b"/k/b", b"/k/c"], message="the watch resumed")
+        assert port_behind.watches == 3  # the one behind, then the resumed one
+        assert target.listings == [({b"/k/a"}, False)], "nothing replaced"
+        health = reflector.health()
+        assert health.cluster_changes == 0 and health.relists == 0, health
+    finally:
+        reflector.stop()
+
+
+def test_a_reset_listing_replaces_records_whatever_their_revisions() -> None:
+    """From another cluster the mod revisions are not comparable: a record written at the
+    same mod revision with other content is ``updated``, and the store's revision goes back
+    to the listing's."""
+    store = EngineStore()
+    old = {name: _entry(name, 0, mod_revision=5) for name in ("a", "b")}
+    store.replace(old, 20)
+    new = {"a": _entry("a", 7, mod_revision=5), "c": _entry("c", 1, mod_revision=3)}
+    events = []
+    store.add_sink(_Collect(events), replay=False)
+    kinds = store.replace(new, 6, reset=True)
+    assert sorted(kinds) == sorted([EventType.REMOVED, EventType.UPDATED, EventType.ADDED])
+    assert {(e.type, e.engine_id) for e in events} == {
+        (EventType.REMOVED, "b"),
+        (EventType.UPDATED, "a"),
+        (EventType.ADDED, "c"),
+    }
+    assert store.revision == 6
+    assert store.replace(new, 7) == []  # the same listing again: nothing changed
