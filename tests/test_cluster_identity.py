@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -420,3 +421,111 @@ def test_a_reset_listing_replaces_records_whatever_their_revisions() -> None:
     }
     assert store.revision == 6
     assert store.replace(new, 7) == []  # the same listing again: nothing changed
+
+
+def test_a_registration_on_a_wiped_etcd_takes_one_new_lease(memory_etcd: MemoryEtcd) -> None:
+    """After a wipe the keepalive finds the lease gone and the session writes the record
+    again on a new lease, while the record watch lists the new cluster: before the write
+    (the record absent) or after. Either way one new lease, no flap: a lease every key of
+    which was written since that listing is the new cluster's and is kept."""
+    settings = Settings(endpoints=["memory"], namespace="raced", dial_timeout=10)
+    port = MemoryPort(memory_etcd)
+    registry = CollectorRegistry()
+    key = settings.keyspace.key("x")
+    with register_engine(
+        make_endpoint(0),
+        engine_id="x",
+        ttl=3,
+        settings=settings,
+        connection=port,
+        metrics=Metrics(registry),
+    ) as registration:
+        watch = registration._watch
+        assert watch is not None
+        for wipes in range(1, 6):
+            for index in range(5):  # the old history runs ahead of the new one
+                port.replace(settings.keyspace.key("filler"), _value("filler", index), 0)
+            wait_for(lambda: watch._reflector.revision == memory_etcd.revision, message="seen")
+            before = registration.lease_id
+            memory_etcd.wipe()
+            wait_for(
+                lambda before=before, wipes=wipes: (  # type: ignore[misc]
+                    watch._reflector.health().cluster_changes == wipes
+                    and registration.state is RegistrationState.REGISTERED
+                    and registration.lease_id != before
+                    and (kv := port.get(key)) is not None
+                    and kv.lease == registration.lease_id
+                ),
+                message="the wipe seen, the record written again on a new lease",
+            )
+            assert registry.get_sample_value("discovery_lease_grants_total") == 1 + wipes
+
+
+class _Held:
+    """A port whose batched creates (a session's repair) wait while ``writes`` is clear,
+    and whose new watches wait while ``watches`` is."""
+
+    def __init__(self, port: MemoryPort) -> None:
+        self._port = port
+        self.writes, self.watches = threading.Event(), threading.Event()
+        self.writes.set()
+        self.watches.set()
+        self.writing = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._port, name)
+
+    def create_many(self, items: Any, lease_id: int) -> Any:
+        self.writing.set()
+        self.writes.wait(30)
+        return self._port.create_many(items, lease_id)
+
+    def open_watch(self, prefix: str, revision: int, **options: Any) -> Any:
+        self.watches.wait(30)
+        return self._port.open_watch(prefix, revision, **options)
+
+
+def test_a_listing_that_raced_the_repair_keeps_the_new_clusters_lease(
+    memory_etcd: MemoryEtcd,
+) -> None:
+    """After a wipe the keepalive finds the lease gone and the repair grants one on the
+    new cluster; the record watch lists that cluster before the repair's write lands (the
+    record absent) and asks for a fresh lease. The lease the repair wrote every key on
+    since is the new cluster's: kept, no third grant, no record deleted and written again."""
+    settings = Settings(endpoints=["memory"], namespace="raced", dial_timeout=10)
+    port = _Held(MemoryPort(memory_etcd))
+    registry = CollectorRegistry()
+    key = settings.keyspace.key("x")
+    with register_engine(
+        make_endpoint(0),
+        engine_id="x",
+        ttl=3,
+        settings=settings,
+        connection=port,  # type: ignore[arg-type]
+        metrics=Metrics(registry),
+    ) as registration:
+        watch = registration._watch
+        assert watch is not None
+        for index in range(5):  # the old history runs ahead of the new one
+            port.replace(settings.keyspace.key("filler"), _value("filler", index), 0)
+        port.writes.clear()
+        port.watches.clear()
+        memory_etcd.wipe()
+        assert port.writing.wait(10)  # the repair granted a lease and writes on it: held
+        assert registration.state is RegistrationState.LOST
+        port.watches.set()  # the record watch lists the new cluster: the record absent
+        wait_for(lambda: registration.health().cluster_changes == 1, message="the listing")
+        port.writes.set()
+        wait_for(
+            lambda: (
+                registration.state is RegistrationState.REGISTERED
+                and (kv := port.get(key)) is not None
+                and kv.lease == registration.lease_id
+                and not registration._session._repairing
+            ),
+            message="registered, its record on its lease",
+        )
+        lease = registration.lease_id
+        wait_for(lambda: registration._session._state.value == "alive", message="alive")
+        assert registration.lease_id == lease
+        assert registry.get_sample_value("discovery_lease_grants_total") == 2

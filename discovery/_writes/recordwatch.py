@@ -26,6 +26,7 @@ nothing there, and the owner's session writes its records again.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -50,10 +51,11 @@ class RecordOwner(Protocol):
         Called on the watch thread: must not block on etcd.
         """
 
-    def rebased(self, kv: KeyValue | None, revision: int) -> None:
+    def rebased(self, kv: KeyValue | None, revision: int, listing: int) -> None:
         """A listing at ``revision`` came from another cluster or an older history.
 
         Its data was wiped, or a snapshot restored; ``kv`` is what it holds for the key.
+        ``listing`` numbers such listings of this watch (every owner hears of each once).
 
         Called on the watch thread: must not block on etcd.
         """
@@ -68,6 +70,7 @@ class RecordWatch:
     def __init__(self, connection: EtcdPort, key_range: str) -> None:
         self._owners: dict[bytes, RecordOwner] = {}
         self._lock = threading.Lock()
+        self._listings = itertools.count(1)  # listings from another cluster
         self._reflector = Reflector(
             connection,
             key_range,
@@ -116,10 +119,11 @@ class RecordWatch:
             current.update((kv.key, kv) for kv in kvs)
         with self._lock:
             owners = list(self._owners.items())
+        listing = next(self._listings) if reset else 0
         for key, owner in owners:
             kv = current.get(key)
             if reset:
-                owner.rebased(kv, revision)
+                owner.rebased(kv, revision, listing)
             else:
                 owner.observed(kv, kv.mod_revision if kv is not None else revision)
         return revision

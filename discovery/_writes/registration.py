@@ -757,7 +757,7 @@ class Registration:
         elif kv is not None and self._adopt(kv):
             self._session._publish_later(self)
 
-    def rebased(self, kv: KeyValue | None, revision: int) -> None:
+    def rebased(self, kv: KeyValue | None, revision: int, listing: int) -> None:
         """The record watch listed another etcd cluster, or an older history.
 
         Its data was wiped, or a snapshot restored: ``kv`` is what it holds for our key.
@@ -784,9 +784,9 @@ class Registration:
         )
         if kept and kv is not None:
             self.observed(kv, kv.mod_revision)
-            self._session._check_lease_keys(reason, revision)
+            self._session._check_lease_keys(reason, revision, listing)
         else:
-            self._session._cluster_changed(reason, revision)
+            self._session._cluster_changed(reason, revision, listing)
 
     def _rebase(self, reason: str) -> None:
         """The session writes our record again on a fresh lease.
@@ -797,6 +797,15 @@ class Registration:
             self._mod_revision = 0
             self._cluster_changes += 1
         self._fire(_Event.LEASE_LOST, reason)
+
+    def _written_since(self, revision: int, lease_id: int) -> bool:
+        """Whether our record is registered on ``lease_id``, written after ``revision``."""
+        with self._lock:
+            return (
+                self._state is RegistrationState.REGISTERED
+                and self._lease_id == lease_id
+                and self._mod_revision > revision
+            )
 
     def _adopt(self, kv: KeyValue) -> bool:
         """Take an outside change of our key; whether ours must be written over it.
