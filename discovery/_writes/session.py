@@ -302,11 +302,7 @@ class Session:
                 return
             self._rebased_at, self._rebased_listing = revision, listing
             self._fresh = True
-            self._state = _State.LOST
-            self._losses += 1
-            self._last_error = reason
-            members = list(self._members.values())
-            self._unwritten.update(members)
+            members = self._lost_locked(reason)
         log.warning(
             "lease %016x: %s; writing %d registrations again on a fresh lease",
             self._lease_id or 0,
@@ -427,11 +423,7 @@ class Session:
         with self._lock:
             if self._state is not _State.ALIVE:
                 return
-            self._state = _State.LOST
-            self._losses += 1
-            self._last_error = reason
-            members = list(self._members.values())
-            self._unwritten.update(members)
+            members = self._lost_locked(reason)
         log.warning(
             "lease %016x lost (%s): %d registrations to write again",
             self._lease_id or 0,
@@ -441,6 +433,15 @@ class Session:
         for member in members:
             member._lease_lost(reason)
         self._start_repair()
+
+    def _lost_locked(self, reason: str) -> list[_Member]:
+        """Lost: every member to write again (under the lock); the members."""
+        self._state = _State.LOST
+        self._losses += 1
+        self._last_error = reason
+        members = list(self._members.values())
+        self._unwritten.update(members)
+        return members
 
     def _start_repair(self) -> None:
         with self._lock:
