@@ -72,6 +72,13 @@ class MetricsHooks(Protocol):
         """A lease was revoked on close, taking ``seconds``."""
         return None
 
+    def cluster_replaced(self) -> None:
+        """A session found another etcd cluster (data wiped or restored).
+
+        It writes its records again on a fresh lease.
+        """
+        return None
+
     def engine_event(self, outcome: str) -> None:
         """An engine-event frame arrived, by outcome.
 
@@ -219,6 +226,11 @@ class Metrics(MetricsHooks):
         self._reregistrations = counter(
             "discovery_reregistrations_total",
             "Records written again after a lease was lost.",
+        )
+        self._cluster_replaced = counter(
+            "discovery_registrar_cluster_changes_total",
+            "Sessions that found another etcd cluster (data wiped or restored) and wrote "
+            "their records again on a fresh lease.",
         )
         self._revoke = Histogram(
             "discovery_revoke_duration_seconds",
@@ -383,6 +395,10 @@ class Metrics(MetricsHooks):
     def revoked(self, seconds: float) -> None:
         """Observe how long a revoke took."""
         self._revoke.observe(seconds)
+
+    def cluster_replaced(self) -> None:
+        """Count a session that found another etcd cluster."""
+        self._cluster_replaced.inc()
 
     def engine_event(self, outcome: str) -> None:
         """Count one engine-event frame by its outcome."""

@@ -1633,6 +1633,27 @@ def oversized_session_repair(run: Run) -> Figures:
     return run.finish()
 
 
+def cluster_replaced(run: Run) -> Figures:
+    """etcd's data wiped under the router and the engines (a disaster rebuild: revision back
+    to 1, the same cluster id), one engine SIGKILLed just before (its record would have
+    outlived it by its TTL): the two that serve throughout are written again, the dead one
+    is gone, and the table is the new cluster's."""
+    peers = [run.launch(f"peer{i}") for i in range(2)]
+    dead = run.register("dead", ttl=10)
+    run.route()
+    run.ready()
+    assert run.table is not None and run.table.watcher is not None
+    watcher = run.table.watcher
+    run.departed.append(dead.engine_id)
+    dead.kill()
+    run.fail(None, run.cluster.wipe, affected=[peer.engine_id for peer in peers])
+    run.recover()
+    run.back(timeout=TTL + 10, settle=1)
+    # 1 when the run did not test what it says: the watcher found the new cluster.
+    run.extra["no_reset"] = float(watcher.health().cluster_changes < 1)
+    return run.finish()
+
+
 _FENCE = (
     "`fence_after` bounds the requests lost meanwhile (one fence covers the rest with "
     "`fence_seconds` >= the TTL + 0.5 s)"
@@ -1852,6 +1873,20 @@ SCENARIOS: dict[str, Scenario] = {
             member_rotation,
             {"add_seen": 1.0, "evict": TTL + 1.0, "steady_rewritten": 0, "idle_blind": 0},
             knob="`DISCOVERY_MEMBER_SYNC_INTERVAL` (5 s) below the time between two replacements",
+        ),
+        Scenario(
+            "cluster-replaced",
+            "issue 43 (a wiped etcd member: the table held ghosts for ever, health said "
+            "connected); Kubernetes client-go relists on a resource version too large",
+            "the etcd member's data wiped and the member restarted on the same addresses "
+            "(revision back to 1), one engine SIGKILLed just before; two serve throughout",
+            "single",
+            cluster_replaced,
+            {"back": 2.0, "readds": 1, "failed_picks": 0, "no_reset": 0},
+            returns=True,
+            alive=True,
+            knob="nothing: an answer from another cluster id, or behind the applied "
+            "revision, replaces the table; registrars write their records again",
         ),
         Scenario(
             "router-restart",

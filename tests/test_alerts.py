@@ -177,6 +177,7 @@ GRAFANA_VARIABLES = {"__rate_interval", "__interval", "__range"}
 # rare events that the alerts and the staleness panels already cover.
 OFF_DASHBOARD = {
     "discovery_etcd_endpoint_changes_total",  # rare; "etcd endpoints known" shows them
+    "discovery_registrar_cluster_changes_total",  # rare (a wiped or restored etcd); WARNING
     "discovery_revoke_duration_seconds_bucket",
     "discovery_revoke_duration_seconds_count",
     "discovery_revoke_duration_seconds_sum",

@@ -525,6 +525,22 @@ def test_a_quiet_watch_answers_progress(backend: Backend) -> None:
     stream.close()
 
 
+def test_every_page_and_watch_response_names_the_cluster(backend: Backend) -> None:
+    """etcd's response headers carry the cluster id: the reflector compares it to notice
+    another cluster (data wiped or restored) on the same addresses."""
+    port, key = backend.port, backend.key
+    start = port.create(key("a"), b"1", 0).revision
+    port.create(key("b"), b"2", 0)
+    pages = list(port.list_pages(backend.prefix, page_size=1))
+    ids = {page.cluster_id for page in pages}
+    assert len(pages) == 2 and len(ids) == 1 and 0 not in ids
+    stream = port.open_watch(backend.prefix, start, heartbeat=QUIET, progress_interval=QUIET)
+    reader = Reader(stream)
+    responses = [reader.next(), *reader.until(start + 1)]
+    assert {response.cluster_id for response in responses} == ids
+    stream.close()
+
+
 def test_a_watch_from_a_compacted_revision_raises_compacted(backend: Backend) -> None:
     port, key = backend.port, backend.key
     old = port.create(key("k"), b"1", 0).revision

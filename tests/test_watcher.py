@@ -498,7 +498,7 @@ class _Listings:
     def __init__(self) -> None:
         self.listings: list[set[bytes]] = []
 
-    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]], *, reset: bool = False) -> int:
         revision, keys = 0, set()
         for revision, kvs in pages:  # noqa: B007 (the last page's revision is the listing's)
             keys |= {kv.key for kv in kvs}

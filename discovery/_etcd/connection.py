@@ -93,6 +93,7 @@ from discovery._etcd.port import (
     LeaseGone,
     LeaseInfo,
     NoLeaderError,
+    Page,
     PutResult,
     StreamSilentError,
     WatchEvent,
@@ -787,7 +788,7 @@ class Connection(CloseHooks):
         page_size: int = PAGE_SIZE,
         first_page: int | None = None,
         timeout: float | None = None,
-    ) -> Iterator[tuple[int, list[KeyValue]]]:
+    ) -> Iterator[Page]:
         """(revision, keys) per page of ``prefix``, every page read at the first's revision.
 
         ``first_page`` keys in the first page (default ``page_size``): a small one gives the
@@ -805,7 +806,7 @@ class Connection(CloseHooks):
             if page.more and kvs:
                 request = request._replace(start=kvs[-1].key + b"\0")
                 ahead = self._range_ahead(request)
-            yield request.revision, _key_values(kvs)
+            yield Page(request.revision, _key_values(kvs), page.header.cluster_id)
             if not (page.more and kvs):
                 return
             page = self._range_page(request, timeout, ahead, prefix)
@@ -1235,6 +1236,7 @@ class _WatchStream(_Stream):
                         WatchEvent(_key_value(event.kv), event.type == _PUT)
                         for event in response.events
                     ),
+                    response.header.cluster_id,
                 )
                 # Time spent by the consumer is not the stream's silence.
                 self._last_seen = time.monotonic()

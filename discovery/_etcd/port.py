@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypeVar
 
 from discovery._errors import DiscoveryError, EtcdError, EtcdUnavailableError
@@ -32,6 +32,7 @@ __all__ = [
     "LeaseGone",
     "LeaseInfo",
     "NoLeaderError",
+    "Page",
     "PutResult",
     "StreamSilentError",
     "WatchEvent",
@@ -109,6 +110,22 @@ class WatchResponse:
 
     revision: int
     events: tuple[WatchEvent, ...]
+    cluster_id: int = field(default=0, compare=False)
+    """The id of the etcd cluster that sent it (0: unknown, as from a port in memory)."""
+
+
+class Page(tuple[int, list[KeyValue]]):
+    """One page of a listing: ``(revision, keys)``, a tuple unpacked and compared like one.
+
+    ``cluster_id``: the id of the etcd cluster that answered (0: unknown).
+    """
+
+    cluster_id: int
+
+    def __new__(cls, revision: int, kvs: list[KeyValue], cluster_id: int = 0) -> Page:
+        page = super().__new__(cls, (revision, kvs))
+        page.cluster_id = cluster_id
+        return page
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +298,7 @@ class EtcdPort(Protocol):
         page_size: int = PAGE_SIZE,
         first_page: int | None = None,
         timeout: float | None = None,
-    ) -> Iterator[tuple[int, list[KeyValue]]]:
+    ) -> Iterator[Page]:
         """(revision, keys) per page of ``prefix``, every page at the first's revision.
 
         The first page holds ``first_page`` keys (default ``page_size``). Raises

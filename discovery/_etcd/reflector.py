@@ -21,6 +21,15 @@ A ``Reflector`` keeps one consumer (its ``Target``) current with one range of et
 4. **Compacted**: list again (step 1) at once, not after a backoff (etcd answered; a
    second one in a row backs off); the target computes the difference, deletions missed
    while away included.
+5. **Another cluster** (a member's data wiped, a snapshot restored, a new cluster on the
+   same addresses): an answer from another cluster id than the one listed, or at a
+   revision below the one held (etcd would wait silently on a watch from its future), ends
+   the stream; the loop lists again at once. A listing from another cluster id, or below
+   the held revision (a linearizable read never is, on the same cluster), replaces the
+   target's content (``replace(..., reset=True)``: never merged by revision) and the held
+   revision with its own; one WARNING, ``cluster_changes`` in health, a relist metric of
+   cause ``cluster_replaced``. A watch answer below the held revision from a member that
+   is only behind is not that: the listing's first page says so, and the watch resumes.
 
 The loop is a generator of steps, each ending after a delivery to the target (a listing,
 or a response with events). It runs on a thread of its own, or on a dispatcher's threads
@@ -38,6 +47,7 @@ none).
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -49,12 +59,13 @@ from typing import Protocol
 
 from discovery._backoff import HEALTHY_AFTER, WATCH, Backoff
 from discovery._dispatch import Dispatcher
-from discovery._errors import ClosedError, DiscoveryError
+from discovery._errors import ClosedError, DiscoveryError, EtcdError
 from discovery._etcd.port import (
     Compacted,
     EtcdPort,
     KeyValue,
     NoLeaderError,
+    Page,
     StreamSilentError,
     WatchResponse,
     WatchStream,
@@ -82,8 +93,12 @@ class WatcherState(enum.StrEnum):
 class Target(Protocol):
     """What a reflector keeps current: a store, or a registrar's own records."""
 
-    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
-        """Take a whole listing, page by page (each at one revision); return that revision."""
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]], *, reset: bool = False) -> int:
+        """Take a whole listing, page by page (each at one revision); return that revision.
+
+        ``reset``: the listing comes from another cluster (or history) than what was
+        delivered before: it replaces everything held, whatever the revisions say.
+        """
         ...
 
     def apply(self, response: WatchResponse) -> None:
@@ -108,6 +123,8 @@ class ReflectorHealth:
     """When etcd last answered (a response or a listing)."""
     reconnects: int
     relists: int
+    cluster_changes: int = 0
+    """Listings that found another etcd cluster (or history) and replaced the content."""
 
 
 class Reflector:
@@ -160,6 +177,9 @@ class Reflector:
         self._last_success = 0.0  # time.time() of the last answer; 0: none yet
         self._reconnects = 0
         self._relists = 0
+        self._cluster_changes = 0
+        self._cluster_id = 0  # of the cluster the held revision belongs to; 0: unknown
+        self._checking = False  # a watch answer was behind: the next listing checks why
         self._listed = False
         self._listing = threading.Event()  # start() listed (list_here), or gave up
         self._listing_error: Exception | None = None
@@ -257,6 +277,7 @@ class Reflector:
                 ),
                 reconnects=self._reconnects,
                 relists=self._relists,
+                cluster_changes=self._cluster_changes,
             )
 
     # -- the loop ----------------------------------------------------------------------
@@ -282,7 +303,7 @@ class Reflector:
                     if self._stop.is_set():
                         return
                     self._interrupted(exc)
-                    compacted, was_compacted = isinstance(exc, Compacted), compacted
+                    compacted, was_compacted = isinstance(exc, Compacted | _OtherCluster), compacted
                     if time.monotonic() - opened >= HEALTHY_AFTER:
                         attempt = 0
                         continue  # a stream that worked for a while: again at once
@@ -324,6 +345,8 @@ class Reflector:
                 return
             for answer in stream:
                 self._answered(answer.revision)
+                if answer.cluster_id != self._cluster_id or answer.revision < self.revision:
+                    self._check_cluster(answer.cluster_id, answer.revision)
                 held = self.revision
                 events = answer.events
                 if events and events[0].kv.mod_revision <= held:
@@ -339,20 +362,65 @@ class Reflector:
             log.warning("watch of %s fell behind compaction (%s); listing again", self.name, exc)
             self._needs_list = True
             raise
+        except _OtherCluster:
+            self._needs_list = self._checking = True
+            raise
         finally:
             self._stream = None
             stream.close()
 
-    def _relist(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> None:
-        revision = self._target.replace(self._answering(pages))
-        self.revision = max(self.revision, revision)
+    def _check_cluster(self, cluster_id: int, revision: int) -> None:
+        """Raise ``_OtherCluster`` if a watch answer may come from another cluster."""
+        if not self._cluster_id:
+            self._cluster_id = cluster_id  # started at a known revision: the first answer
+        if cluster_id != self._cluster_id:
+            raise _OtherCluster(f"etcd cluster id {cluster_id:x}, not {self._cluster_id:x}")
+        if revision < self.revision:
+            raise _OtherCluster(f"etcd answered at revision {revision}, below {self.revision}")
+
+    def _relist(self, pages: Iterator[Page]) -> None:
+        first = next(pages, None)  # list_pages yields at least one page; None: a test's port
+        checking, self._checking = self._checking, False
+        changed = first is not None and (
+            (first.cluster_id != self._cluster_id and bool(self._cluster_id))
+            or first[0] < self.revision
+        )
+        if checking and not changed:
+            # The watch answer was from a member behind: the watch resumes where it was.
+            self._needs_list = False
+            self._answered(first[0] if first is not None else 0)
+            return
+        if first is not None:
+            if changed:
+                self._cluster_changed(first)
+            self._cluster_id = first.cluster_id
+            pages = itertools.chain((first,), pages)
+        revision = self._target.replace(self._answering(pages), reset=changed)
+        self.revision = revision if changed else max(self.revision, revision)
         self._needs_list = False
         if self._listed:
             with self._lock:
                 self._relists += 1
-            self._metrics.watcher_relist(self.name, "compaction")
+            cause = "cluster_replaced" if changed else "compaction"
+            self._metrics.watcher_relist(self.name, cause)
         self._listed = True
         self._metrics.watcher_revision(self.name, self.revision, self._newest)
+
+    def _cluster_changed(self, first: Page) -> None:
+        if first.cluster_id != self._cluster_id:
+            reason = f"another etcd cluster answered (cluster id {first.cluster_id:x}, was "
+        else:
+            reason = f"etcd's revision went back (cluster id {first.cluster_id:x}, as "
+        reason += f"{self._cluster_id:x}; revision {first[0]}, {self.revision} applied)"
+        with self._lock:
+            self._cluster_changes += 1
+            self._last_error = reason
+        log.warning(
+            "watch of %s: %s: its data was wiped or restored; replacing everything held "
+            "with a fresh listing",
+            self.name,
+            reason,
+        )
 
     def _answering(
         self, pages: Iterator[tuple[int, list[KeyValue]]]
@@ -393,13 +461,18 @@ class Reflector:
         self._metrics.watcher_reconnect(self.name, _cause(exc))
         if not isinstance(exc, DiscoveryError):
             log.error("watch of %s failed; restarting", self.name, exc_info=exc)  # a bug of ours
+        elif isinstance(exc, _OtherCluster):
+            # The listing that follows says whether the cluster changed (its WARNING).
+            log.info("watch of %s: %s; listing to check", self.name, reason)
         else:
             log.warning("watch of %s interrupted (%s); reconnecting", self.name, reason)
 
 
-def _after_first(
-    pages: Iterator[tuple[int, list[KeyValue]]], then: Callable[[], None]
-) -> Iterator[tuple[int, list[KeyValue]]]:
+class _OtherCluster(EtcdError):
+    """A watch answer from another cluster id, or below the held revision: list again."""
+
+
+def _after_first(pages: Iterator[Page], then: Callable[[], None]) -> Iterator[Page]:
     """``pages``, with ``then()`` run once the first is in (the next one is on its way)."""
     for n, page in enumerate(pages):
         if n == 0:
@@ -411,6 +484,8 @@ def _cause(exc: BaseException) -> str:
     """The reconnect cause a metric is labelled with."""
     if isinstance(exc, Compacted):
         return "compaction"
+    if isinstance(exc, _OtherCluster):
+        return "cluster_replaced"
     if isinstance(exc, StreamSilentError):
         return "timeout"
     if isinstance(exc, NoLeaderError):

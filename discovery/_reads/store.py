@@ -204,16 +204,25 @@ class EngineStore:
 
     # -- fed by the watch loop ---------------------------------------------------------
 
-    def replace(self, entries: Mapping[str, Entry], revision: int) -> list[EventType]:
+    def replace(
+        self, entries: Mapping[str, Entry], revision: int, *, reset: bool = False
+    ) -> list[EventType]:
         """Take a whole listing read at ``revision``: deliver exactly the difference.
 
         Engines missing from ``entries`` are ``removed``, new ones ``added``, ones
         written since (another mod revision) ``updated``. The store is then current at
         ``revision``, also when the listing is empty. Returns the types of the events.
+
+        ``reset``: the listing comes from another etcd cluster (or history): its revisions
+        are not comparable with the ones held, so an engine whose record differs is
+        ``updated`` whatever its mod revision, and the store's revision becomes
+        ``revision``, also when lower.
         """
         with self._cond:
             old = self._entries
             self._entries = immutables.Map(entries)
+            if reset:
+                self._revision = revision
             if not old:
                 # A first listing: every engine is added. Its events (50,000 objects at
                 # start-up) are built only if a sink wants them (a table without listeners
@@ -231,7 +240,9 @@ class EngineStore:
                 before = old.get(engine_id)
                 if before is None:
                     changed.append(_event(EventType.ADDED, entry.key, revision, entry.record))
-                elif before.mod_revision != entry.mod_revision:
+                elif before.mod_revision != entry.mod_revision or (
+                    reset and before.record != entry.record
+                ):
                     changed.append(_event(EventType.UPDATED, entry.key, revision, entry.record))
             self._commit_locked(tuple(changed), revision)
             return [event.type for event in changed]

@@ -97,6 +97,9 @@ class WatcherHealth:
     """Whether ``staleness`` exceeds ``stale_after``: the table may miss changes."""
     stale_after: float = 0.0
     """The staleness threshold in seconds."""
+    cluster_changes: int = 0
+    """Listings that found another etcd cluster (data wiped or restored) and replaced the
+    table with what that cluster holds."""
 
 
 class EndpointWatcher:
@@ -260,6 +263,7 @@ class EndpointWatcher:
             last_success=loop.last_success,
             reconnects=loop.reconnects,
             relists=loop.relists,
+            cluster_changes=loop.cluster_changes,
             skipped=self._feed.skipped,
             engines=len(self.store),
             staleness=staleness,
@@ -296,8 +300,11 @@ class _Feed:
         self.listed = threading.Event()
         """Set once the first listing is in the store."""
 
-    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
-        """Decode and select each page as it arrives; hand the store the whole listing."""
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]], *, reset: bool = False) -> int:
+        """Decode and select each page as it arrives; hand the store the whole listing.
+
+        ``reset``: a listing from another cluster, which replaces everything held.
+        """
         revision = 0
         entries: dict[str, Entry] = {}
         decode, selector, entry = self._keyspace.decode, self._selector, tuple.__new__
@@ -313,7 +320,7 @@ class _Feed:
                 if not selector or record.matches(selector):
                     # Entry(key, record, revision), without its Python-level __new__.
                     entries[record.engine_id] = entry(Entry, (key, record, kv.mod_revision))
-        kinds = self._store.replace(entries, revision)
+        kinds = self._store.replace(entries, revision, reset=reset)
         self.listed.set()
         self._metrics.events_applied(self._prefix, (kind.value for kind in kinds), 0.0)
         self._freshness.proved()  # a linearizable read: its member had a leader

@@ -18,11 +18,15 @@ the namespace prefix (a process holding many registrations, typically through a
 ``Session``). Events for other keys are dropped unread. It runs on the list-watch loop
 both watches share (``_etcd/reflector.py``: resume at the last delivered revision, backoff,
 health), started at the owner's own write instead of a listing; a listing after
-compaction reports each owned key's current state (a resync).
+compaction reports each owned key's current state (a resync). A listing from another
+etcd cluster, or behind what was seen (data wiped, a snapshot restored: the reflector's
+``reset``), tells each owner ``rebased`` instead: revisions of the old history mean
+nothing there, and the owner's session writes its records again.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -47,6 +51,15 @@ class RecordOwner(Protocol):
         Called on the watch thread: must not block on etcd.
         """
 
+    def rebased(self, kv: KeyValue | None, revision: int, listing: int) -> None:
+        """A listing at ``revision`` came from another cluster or an older history.
+
+        Its data was wiped, or a snapshot restored; ``kv`` is what it holds for the key.
+        ``listing`` numbers such listings of this watch (every owner hears of each once).
+
+        Called on the watch thread: must not block on etcd.
+        """
+
 
 class RecordWatch:
     """Watches the keys of one connection's registrations (see the module docs).
@@ -57,6 +70,7 @@ class RecordWatch:
     def __init__(self, connection: EtcdPort, key_range: str) -> None:
         self._owners: dict[bytes, RecordOwner] = {}
         self._lock = threading.Lock()
+        self._listings = itertools.count(1)  # listings from another cluster
         self._reflector = Reflector(
             connection,
             key_range,
@@ -94,17 +108,24 @@ class RecordWatch:
             if owner is not None:
                 owner.observed(kv if event.is_put else None, kv.mod_revision)
 
-    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]]) -> int:
-        """A resync after compaction: tell every owner its key's current state."""
+    def replace(self, pages: Iterator[tuple[int, list[KeyValue]]], *, reset: bool = False) -> int:
+        """A resync after compaction: tell every owner its key's current state.
+
+        ``reset``: the listing comes from another cluster (data wiped or restored).
+        """
         revision = 0
         current: dict[bytes, KeyValue] = {}
         for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
             current.update((kv.key, kv) for kv in kvs)
         with self._lock:
             owners = list(self._owners.items())
+        listing = next(self._listings) if reset else 0
         for key, owner in owners:
             kv = current.get(key)
-            owner.observed(kv, kv.mod_revision if kv is not None else revision)
+            if reset:
+                owner.rebased(kv, revision, listing)
+            else:
+                owner.observed(kv, kv.mod_revision if kv is not None else revision)
         return revision
 
 

@@ -153,6 +153,9 @@ class RegistrationHealth:
     """The record's status (the registrar's view: its own writes and adopted changes)."""
     weight_version: int | None = None
     """The record's weight version (the same view), None when none was set."""
+    cluster_changes: int = 0
+    """Times another etcd cluster (data wiped, a snapshot restored) made the record be
+    written again on a fresh lease."""
 
 
 _process_nonce = f"{random.getrandbits(24):06x}"
@@ -217,6 +220,7 @@ class Registration:
         self._listeners: Listeners[Callable[[RegistrationState], None]] = Listeners()
         self._registrations = 0
         self._losses = 0
+        self._cluster_changes = 0
         self._last_error: str | None = None
         self._keeper: LeaseKeeper = session._keeper
         self._closed = threading.Event()  # set once close() has removed the record
@@ -277,6 +281,7 @@ class Registration:
                 last_keepalive=self._session.last_keepalive,
                 status=self._record.status,
                 weight_version=self._record.weight_version,
+                cluster_changes=self._cluster_changes,
             )
 
     def subscribe(self, callback: Callable[[RegistrationState], None]) -> Callable[[], None]:
@@ -810,6 +815,56 @@ class Registration:
             self._record_lost("the key was deleted or taken over by someone else")
         elif kv is not None and self._adopt(kv):
             self._session._publish_later(self)
+
+    def rebased(self, kv: KeyValue | None, revision: int, listing: int) -> None:
+        """The record watch listed another etcd cluster, or an older history.
+
+        Its data was wiped, or a snapshot restored: ``kv`` is what it holds for our key.
+
+        Our record as we wrote it there (the session already wrote it again, after its
+        lease was found gone), or changed since on our lease, is kept as a watched change
+        would be, and the session checks its lease holds no other key; anything else
+        (absent, restored from the past, on another lease) and the session writes every
+        record again on a fresh lease.
+        """
+        with self._lock:
+            if self._state is RegistrationState.CLOSED:
+                return
+            kept = (
+                self._state is RegistrationState.REGISTERED
+                and kv is not None
+                and kv.lease == self._lease_id
+                and kv.mod_revision >= self._mod_revision
+            )
+        held = f"revision {kv.mod_revision}" if kv is not None else "absent"
+        reason = (
+            f"etcd's data was replaced (a wiped or restored cluster at revision {revision}: "
+            f"{self.engine_id}'s record {held})"
+        )
+        if kept and kv is not None:
+            self.observed(kv, kv.mod_revision)
+            self._session._check_lease_keys(reason, revision, listing)
+        else:
+            self._session._cluster_changed(reason, revision, listing)
+
+    def _rebase(self, reason: str) -> None:
+        """The session writes our record again on a fresh lease.
+
+        The old history's revision means nothing on the new one.
+        """
+        with self._lock:
+            self._mod_revision = 0
+            self._cluster_changes += 1
+        self._fire(_Event.LEASE_LOST, reason)
+
+    def _written_since(self, revision: int, lease_id: int) -> bool:
+        """Whether our record is registered on ``lease_id``, written after ``revision``."""
+        with self._lock:
+            return (
+                self._state is RegistrationState.REGISTERED
+                and self._lease_id == lease_id
+                and self._mod_revision > revision
+            )
 
     def _adopt(self, kv: KeyValue) -> bool:
         """Take an outside change of our key; whether ours must be written over it.

@@ -53,6 +53,7 @@ from discovery._etcd.port import (
     EtcdPort,
     KeepAliveStream,
     LeaseGone,
+    LeaseInfo,
     PutResult,
     batches,
     explain,
@@ -100,6 +101,10 @@ class _Member(Protocol):
     def _write_refused(self, exc: DiscoveryError) -> bool: ...
 
     def _stopping_mark(self) -> tuple[str, bytes, int] | None: ...
+
+    def _rebase(self, reason: str) -> None: ...
+
+    def _written_since(self, revision: int, lease_id: int) -> bool: ...
 
 
 def check_ttl(ttl: object) -> int:
@@ -152,6 +157,10 @@ class Session:
         self._losses = 0
         self._last_error: str | None = None
         self._last_keepalive: datetime | None = None
+        self._fresh = False  # another cluster: the next repair revokes and grants afresh
+        self._rebased_at = 0  # the revision of the last listing that found one
+        self._rebased_listing = 0  # ...its number (the record watch's)
+        self._checked_listing = 0  # ...and of the last one that checked the lease's keys
         started = time.monotonic()
         try:
             self._lease_id = self._conn.call(lambda: self._conn.grant(self.ttl))
@@ -290,6 +299,58 @@ class Session:
         with self._lock:
             self._unpublished.discard(member)
 
+    def _cluster_changed(self, reason: str, revision: int, listing: int) -> None:
+        """Another etcd cluster, or an older history of it, holds our keys.
+
+        Its data was wiped or a snapshot restored (the record watch's ``listing`` was at
+        ``revision``): revoke the lease (the keys a snapshot brought back on it go) and
+        write every member's record again on a fresh one. Once per listing, however many
+        members noticed.
+        """
+        with self._lock:
+            if self._state is _State.CLOSED or self._rebased_listing == listing:
+                return
+            self._rebased_at, self._rebased_listing = revision, listing
+            self._fresh = True
+            members = self._lost_locked(reason)
+        log.warning(
+            "lease %016x: %s; writing %d registrations again on a fresh lease",
+            self._lease_id or 0,
+            reason,
+            len(members),
+        )
+        self._metrics.cluster_replaced()
+        for member in members:
+            member._rebase(reason)
+        self._start_repair()
+
+    def _check_lease_keys(self, reason: str, revision: int, listing: int) -> None:
+        """A member's record held in a replaced cluster's listing (at ``revision``).
+
+        If the lease also holds a key no member owns (a snapshot brought back a member
+        closed since), the cluster changed for the whole session. Once per listing, on a
+        pool thread (the caller is the record watch's).
+        """
+        with self._lock:
+            if self._state is _State.CLOSED or listing in (
+                self._rebased_listing,
+                self._checked_listing,
+            ):
+                return
+            self._checked_listing, lease_id = listing, self._lease_id
+        if lease_id is not None:
+            check = partial(self._stray_keys, lease_id, reason, revision, listing)
+            self._keeper.submit(self, lambda _: check())
+
+    def _stray_keys(self, lease_id: int, reason: str, revision: int, listing: int) -> None:
+        held = self._conn.call(partial(self._conn.lease_info, lease_id)).keys
+        with self._lock:
+            owned = {key.encode() for key in self._members}
+        stray = [key.decode(errors="replace") for key in held if key not in owned]
+        if stray:
+            reason = f"{reason}; on its lease, keys of no member: {stray}"
+            self._cluster_changed(reason, revision, listing)
+
     def _publish_later(self, member: _Member) -> None:
         """Publish ``member``'s change once etcd answers again."""
         with self._lock:
@@ -372,11 +433,7 @@ class Session:
         with self._lock:
             if self._state is not _State.ALIVE:
                 return
-            self._state = _State.LOST
-            self._losses += 1
-            self._last_error = reason
-            members = list(self._members.values())
-            self._unwritten.update(members)
+            members = self._lost_locked(reason)
         log.warning(
             "lease %016x lost (%s): %d registrations to write again",
             self._lease_id or 0,
@@ -386,6 +443,15 @@ class Session:
         for member in members:
             member._lease_lost(reason)
         self._start_repair()
+
+    def _lost_locked(self, reason: str) -> list[_Member]:
+        """Lost: every member to write again (under the lock); the members."""
+        self._state = _State.LOST
+        self._losses += 1
+        self._last_error = reason
+        members = list(self._members.values())
+        self._unwritten.update(members)
+        return members
 
     def _start_repair(self) -> None:
         with self._lock:
@@ -430,10 +496,12 @@ class Session:
         with self._lock:
             if self._state is not _State.LOST:
                 return self._lease_id
-            old = self._lease_id
+            old, fresh, self._fresh = self._lease_id, self._fresh, False
         started = time.monotonic()
         info = self._conn.lease_info(old) if old is not None else None
-        if old is not None and info is not None and info.ttl > 0:
+        if fresh and old is not None and info is not None and self._rewritten_on(old, info):
+            fresh = False  # granted on the new cluster: a repair wrote every key on it since
+        if old is not None and info is not None and info.ttl > 0 and not fresh:
             # It survived (a leader change renews leases): nothing was deleted.
             lease_id, deadline, next_turn = old, started + info.ttl, time.monotonic()
         else:
@@ -457,14 +525,28 @@ class Session:
         self._keeper.schedule(self, next_turn)  # a surviving lease may be near its end
         return lease_id
 
+    def _rewritten_on(self, lease_id: int, info: LeaseInfo) -> bool:
+        """Whether every key on ``lease_id`` is a member's, written since the listing.
+
+        The listing that found another cluster raced a repair on the new cluster's lease:
+        that lease holds nothing of the old history, and is kept.
+        """
+        with self._lock:
+            members, since = dict(self._members), self._rebased_at
+        return bool(info.keys) and all(
+            (member := members.get(key.decode(errors="replace"))) is not None
+            and member._written_since(since, lease_id)
+            for key in info.keys
+        )
+
     def _take_lease(self, lease_id: int, deadline: float) -> bool:
         """Hold ``lease_id`` from now on (every member to write if it is new).
 
         False if the session was closed meanwhile.
         """
         with self._lock:
-            if self._state is _State.CLOSED:
-                return False
+            if self._state is _State.CLOSED or self._fresh:
+                return False  # closed, or another cluster meanwhile: its repair follows
             if lease_id != self._lease_id:
                 self._unwritten.update(self._members.values())
             self._state = _State.ALIVE

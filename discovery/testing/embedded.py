@@ -3,7 +3,8 @@
 ``EtcdCluster(size)`` starts ``size`` etcd processes on free loopback ports in a
 temporary directory, waits until the cluster has a leader, and on ``stop()`` kills every
 process by pid and removes the directory; ``add_member()`` and ``remove_member()``
-change its membership at runtime, as an operator replacing members does.
+change its membership at runtime, as an operator replacing members does; ``wipe()`` and
+``restore()`` replace its data (a disaster rebuild, a snapshot restored) on the same ports.
 ``EtcdGrpcProxy(endpoints)`` starts and stops one ``etcd grpc-proxy start`` in front of
 them the same way (same binary). Processes also die with their parent on Linux
 (``PR_SET_PDEATHSIG``) and at interpreter exit, so a crashed test leaves nothing behind.
@@ -29,7 +30,7 @@ import threading
 import time
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,9 +216,9 @@ class EtcdMember:
             "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", ",".join(f"{m.name}={m.peer_url}" for m in c.members),
+            "--initial-cluster", c._initial_cluster(),
             "--initial-cluster-state", self.initial_state,
-            "--initial-cluster-token", f"discovery-{os.getpid()}-{id(c):x}",
+            "--initial-cluster-token", c.token,
             "--heartbeat-interval", str(c.heartbeat_ms),
             "--election-timeout", str(c.election_ms),
             "--log-level", "warn",
@@ -276,6 +277,9 @@ class EtcdCluster:
         self.members: list[EtcdMember] = []
         self.removed: list[EtcdMember] = []
         """Members ``remove_member`` took out: stopped; their data goes at ``stop()``."""
+        self.token = f"discovery-{os.getpid()}-{id(self):x}"
+        """The ``--initial-cluster-token``: with the peer URLs, it makes the cluster id."""
+        self._generation = 0  # wipes and restores under a new token
         self._lock = threading.Lock()
 
     @property
@@ -337,6 +341,65 @@ class EtcdCluster:
         member.stop(kill=kill)
         member.start()
         self.wait_healthy(members=[member])
+
+    def wipe(self, *, new_id: bool = False, timeout: float = _START_TIMEOUT) -> None:
+        """Kill every member by pid, delete its data and start it again on the same ports.
+
+        A new cluster at revision 1 on the old addresses, as after a disaster rebuild or a
+        data directory lost. Started as before, it has the old cluster id (etcd derives it
+        from the peer URLs and the token); ``new_id``: under a new token, a new id.
+        """
+        self._replace_data(new_id, timeout, lambda member: None)
+
+    def restore(self, snapshot: str | Path, *, timeout: float = _START_TIMEOUT) -> None:
+        """Kill every member and restore each from ``snapshot`` (``etcdctl snapshot save``).
+
+        ``etcdutl snapshot restore`` into a fresh data directory, then started on the same
+        ports: the cluster holds the snapshot's keys and revision, under a new cluster id
+        (etcd's restore procedure: a new token).
+        """
+
+        def restore(member: EtcdMember) -> None:
+            command = [
+                find_binary("etcdutl"), "snapshot", "restore", str(snapshot),
+                "--name", member.name,
+                "--data-dir", str(member.data_dir),
+                "--initial-cluster", self._initial_cluster(),
+                "--initial-cluster-token", self.token,
+                "--initial-advertise-peer-urls", member.peer_url,
+            ]  # fmt: skip
+            restored = subprocess.run(
+                command,
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if restored.returncode != 0:
+                raise EtcdStartError(f"etcdutl snapshot restore: {restored.stderr.strip()}")
+
+        self._replace_data(True, timeout, restore)
+
+    def _replace_data(
+        self, new_id: bool, timeout: float, prepare: Callable[[EtcdMember], None]
+    ) -> None:
+        """Kill every member, delete its data, ``prepare`` a new one, start it again."""
+        for member in self.members:
+            member.stop(kill=True)
+        if new_id:
+            self._generation += 1
+            self.token = f"discovery-{os.getpid()}-{id(self):x}-{self._generation}"
+        for member in self.members:
+            shutil.rmtree(member.data_dir, ignore_errors=True)
+            member.initial_state = "new"
+            prepare(member)
+        for member in self.members:
+            member.start()
+        self.wait_healthy(timeout)
+
+    def _initial_cluster(self) -> str:
+        """The ``--initial-cluster`` of the members now."""
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     def add_member(self, timeout: float = _START_TIMEOUT) -> EtcdMember:
         """Add a member as an operator does and return it once it is healthy.

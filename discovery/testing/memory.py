@@ -14,7 +14,10 @@ Faults for tests: ``etcd.outage()`` (every call of every port fails with a trans
 ``EtcdUnavailableError`` and every open stream ends with one; leases keep expiring
 meanwhile, as they do on a cluster the clients cannot reach) until ``etcd.restore()``
 or the end of a ``with etcd.outage():`` block; ``outage(no_leader=True)`` ends and
-refuses streams with ``NoLeaderError`` instead; ``etcd.compact(revision)``.
+refuses streams with ``NoLeaderError`` instead; ``etcd.compact(revision)``;
+``etcd.wipe()`` (its data lost and the member restarted: every stream ends, revision back
+to 1, keys and leases gone; ``new_id``: under another cluster id, which every listing page
+and watch response carries, as etcd's response headers do).
 
 Like etcd: a write transaction is one revision; a lease's expiry or revoke deletes all
 its keys in one revision; a new watch first answers with an empty response at the
@@ -31,6 +34,7 @@ import bisect
 import contextlib
 import itertools
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,6 +54,7 @@ from discovery._etcd.port import (
     LeaseGone,
     LeaseInfo,
     NoLeaderError,
+    Page,
     PutResult,
     WatchEvent,
     WatchResponse,
@@ -79,6 +84,8 @@ class MemoryEtcd:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()  # the one lock; the sweeper waits on it
+        self.cluster_id = _new_cluster_id()
+        """The cluster id in every answer's header (etcd's, from its members and token)."""
         self._revision = 1  # a new etcd is at revision 1
         self._compacted = 0
         self._keys: dict[bytes, KeyValue] = {}
@@ -110,6 +117,21 @@ class MemoryEtcd:
             if revision > self._compacted:
                 self._compacted = revision
                 del self._history[: bisect.bisect_left(self._history, revision, key=itemgetter(0))]
+
+    def wipe(self, *, new_id: bool = False) -> None:
+        """Lose every key, lease and revision, as a member restarted on an empty data dir.
+
+        Open streams end (the member went down); the revision is 1 again. The cluster id
+        stays (etcd derives it from the members and the token) unless ``new_id``.
+        """
+        with self._lock:
+            self._end_streams(lambda: EtcdUnavailableError("etcd restarted (wiped)", "wiped"))
+            self._revision, self._compacted = 1, 0
+            self._keys.clear()
+            self._history.clear()
+            self._leases.clear()
+            if new_id:
+                self.cluster_id = _new_cluster_id()
 
     def outage(self, *, no_leader: bool = False) -> contextlib.ExitStack:
         """Make etcd unreachable until ``restore()`` (or the end of a ``with`` block).
@@ -220,11 +242,11 @@ class MemoryEtcd:
 
     # -- what ports call -----------------------------------------------------------------
 
-    def _range(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
+    def _range(self, prefix: bytes) -> Page:
         with self._lock:
             self._check_up()
             found = sorted(kv for key, kv in self._keys.items() if key.startswith(prefix))
-            return self._revision, found
+            return Page(self._revision, found, self.cluster_id)
 
     def _readable(self, revision: int) -> None:
         """Raise unless ``revision`` can still be read (not compacted)."""
@@ -345,14 +367,15 @@ class MemoryEtcd:
         with self._lock:
             self._check_up(stream=True)
             watch = _Watch(self, prefix, start_revision, every)
-            watch._deliver(WatchResponse(self._revision, ()))  # etcd's "created" response
+            created = WatchResponse(self._revision, (), self.cluster_id)
+            watch._deliver(created)  # etcd's "created" response
             if start_revision < self._compacted:
                 watch._deliver(Compacted(self._compacted))
                 return watch
             start = bisect.bisect_left(self._history, start_revision, key=itemgetter(0))
             past = [e for _, events in self._history[start:] for e in events if watch._wants(e)]
             if past:
-                watch._deliver(WatchResponse(self._revision, tuple(past)))
+                watch._deliver(WatchResponse(self._revision, tuple(past), self.cluster_id))
             self._streams[watch] = port
             return watch
 
@@ -371,12 +394,19 @@ class MemoryEtcd:
     def _progress(self, watch: _Watch) -> WatchResponse | None:
         """A progress response at the current revision, unless a response is in flight."""
         with self._lock:
-            return None if watch._pending() else WatchResponse(self._revision, ())
+            if watch._pending():
+                return None
+            return WatchResponse(self._revision, (), self.cluster_id)
 
     def _disconnect(self, port: MemoryPort) -> None:
         """End the streams of ``port`` (it closed)."""
         with self._lock:
             self._end_streams(lambda: EtcdUnavailableError("connection closed", "closed"), port)
+
+
+def _new_cluster_id() -> int:
+    """A random non-zero 64-bit id, as etcd's (0 means unknown to the reflector)."""
+    return random.getrandbits(64) or 1
 
 
 class _Stream(Generic[T]):
@@ -424,7 +454,7 @@ class _Watch(_Stream[WatchResponse]):
         """A new revision (under the etcd lock): queue the events of our prefix."""
         mine = tuple(e for e in events if self._wants(e))
         if mine and revision >= self._start:
-            self._deliver(WatchResponse(revision, mine))
+            self._deliver(WatchResponse(revision, mine, self._etcd.cluster_id))
 
     def __iter__(self) -> Iterator[WatchResponse]:
         """Yield responses; raise Compacted, or the stream's error when it ends."""
@@ -555,21 +585,20 @@ class MemoryPort(CloseHooks):
         page_size: int = PAGE_SIZE,
         first_page: int | None = None,
         timeout: float | None = None,
-    ) -> Iterator[tuple[int, list[KeyValue]]]:
+    ) -> Iterator[Page]:
         """(revision, keys) per page of ``prefix``, every page at the first's revision.
 
         The first page holds ``first_page`` keys (default ``page_size``). Raises
         ``Compacted`` when that revision is compacted before the last page.
         """
-        revision, found = self.call(
-            lambda: self._cluster()._range(prefix.encode()), timeout=timeout
-        )
+        listing = self.call(lambda: self._cluster()._range(prefix.encode()), timeout=timeout)
+        (revision, found), cluster_id = listing, listing.cluster_id
         first = first_page or page_size
-        yield revision, found[:first]
+        yield Page(revision, found[:first], cluster_id)
         for start in range(first, len(found), page_size):
             # A later page: etcd reads it at the listing's revision.
             self.call(lambda: self._cluster()._readable(revision), timeout=timeout)
-            yield revision, found[start : start + page_size]
+            yield Page(revision, found[start : start + page_size], cluster_id)
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""
