@@ -61,7 +61,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, limit: int | None = Non
     lazy = LazyBlockHashes(tokens, block_size)
     count = len(lazy) if limit is None else min(limit, len(lazy))
     if count:
-        lazy.get(count - 1, whole=True)
+        lazy.get(count - 1)
     return lazy.hashes[:count]
 
 
@@ -69,14 +69,13 @@ class LazyBlockHashes:
     """A prompt's block hashes, computed as they are asked for.
 
     A router that stops at the first block no engine holds hashes that one block only.
-    The tokens are packed in runs that double (1, 1, 2, 4, ... blocks), so walking the
-    chain block by block packs at most twice what it hashes, in a few C calls.
+    Each call packs the blocks it hashes (all of them at once for ``all()``).
     ``known``: every complete block's hash, computed beforehand (a frontend that keeps each
     conversation's chain); then nothing is hashed here. ValueError unless it has one hash
     per complete block.
     """
 
-    __slots__ = ("_block_size", "_blocks", "_data", "_digest", "_tokens", "hashes")
+    __slots__ = ("_block_size", "_blocks", "_digest", "_tokens", "hashes")
 
     def __init__(
         self, tokens: Sequence[int], block_size: int, known: Sequence[int] | None = None
@@ -85,7 +84,6 @@ class LazyBlockHashes:
         self._block_size = block_size
         self._blocks = len(tokens) // block_size
         self._digest = _ROOT
-        self._data = memoryview(b"")  # packed tokens from the first block not yet hashed
         self.hashes: list[int] = []
         """The hashes computed so far, block 0 first."""
         if known is not None:
@@ -100,33 +98,27 @@ class LazyBlockHashes:
         """The number of complete blocks."""
         return self._blocks
 
-    def get(self, index: int, *, whole: bool = False) -> int | None:
-        """The hash of block ``index``, or None past the last complete block.
-
-        ``whole``: pack every remaining block at once (the caller wants them all).
-        """
+    def get(self, index: int) -> int | None:
+        """The hash of block ``index``, or None past the last complete block."""
         hashes = self.hashes
         if index < len(hashes):
             return hashes[index]
         if index >= self._blocks:
             return None
-        size = self._block_size
+        first, size = len(hashes), self._block_size
         step = size * 8
-        data, digest, sha256 = self._data, self._digest, hashlib.sha256
-        while len(hashes) <= index:
-            if not data:
-                first = len(hashes)
-                count = self._blocks - first if whole else max(index + 1 - first, first, 1)
-                count = min(count, self._blocks - first)
-                data = memoryview(pack_tokens(self._tokens, first * size, (first + count) * size))
-            digest = sha256(digest + data[:step]).digest()
-            data = data[step:]
+        # The blocks asked for and no more, in one C call: a walk that stops at the first
+        # block no engine holds packs only what it hashes (packing costs as much as hashing).
+        data = memoryview(pack_tokens(self._tokens, first * size, (index + 1) * size))
+        digest, sha256 = self._digest, hashlib.sha256
+        for start in range(0, len(data), step):
+            digest = sha256(digest + data[start : start + step]).digest()
             hashes.append(int.from_bytes(digest[:8], "little") % _MOD + 1)
-        self._data, self._digest = data, digest
+        self._digest = digest
         return hashes[index]
 
     def all(self) -> list[int]:
         """Every complete block's hash."""
         if self._blocks:
-            self.get(self._blocks - 1, whole=True)
+            self.get(self._blocks - 1)
         return self.hashes
