@@ -126,8 +126,8 @@ class _SlowDelete(MemoryPort):
 
 
 def test_closed_means_the_key_is_gone(memory_etcd: MemoryEtcd) -> None:
-    port = _SlowDelete(memory_etcd)
-    with Session(ttl=10, connection=port) as session:
+    # The port closed with the test: its record watch retried on a closed etcd after it.
+    with _SlowDelete(memory_etcd) as port, Session(ttl=10, connection=port) as session:
         a = register_engine(make_endpoint(1), engine_id="a", session=session)
         closing = threading.Thread(target=a.close)
         closing.start()
