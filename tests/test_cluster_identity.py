@@ -511,6 +511,66 @@ class _Held:
         return self._port.open_watch(prefix, revision, **options)
 
 
+class _FailedCompareThen:
+    """A port whose next failed compare-and-swap (a publish meeting a record it has not
+    seen) answers only once ``then()`` has returned."""
+
+    def __init__(self, port: Any) -> None:
+        self._port = port
+        self.then: Callable[[], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._port, name)
+
+    def update(self, key: str, value: bytes, lease_id: int, *, mod_revision: int) -> Any:
+        result = self._port.update(key, value, lease_id, mod_revision=mod_revision)
+        then, self.then = self.then, None
+        if then is not None and not result.succeeded:
+            then()
+        return result
+
+
+def test_a_publish_that_meets_a_restored_snapshot_adopts_nothing_of_it(
+    memory_etcd: MemoryEtcd, ports: Callable[[], MemoryPort]
+) -> None:
+    """A change published as etcd comes back from an older snapshot: its compare fails on
+    the snapshot's record (on our lease, which the snapshot brought back), and the record
+    watch's listing of the restored cluster rebases the registration before that answer is
+    read. The snapshot's record is no outside change to adopt: the record is written again
+    with the status set since the snapshot, and the new change."""
+    held = _Held(ports())
+    port = _FailedCompareThen(held)
+    key = _RACED.keyspace.key("x")
+    with _register_x(port, CollectorRegistry()) as registration:
+        watch = registration._watch
+        assert watch is not None
+        snapshot = memory_etcd.snapshot()
+        registration.set_status("draining")
+        wait_for(lambda: json.loads(port.get(key).value)["status"] == "draining")
+        held.watches.clear()  # the record watch's next stream waits
+        memory_etcd.restore_snapshot(snapshot)
+
+        def rebased() -> None:
+            held.watches.set()
+            wait_for(lambda: registration.health().cluster_changes == 1, message="the rebase")
+
+        port.then = rebased
+        registration.update(labels={"zone": "b"})
+        assert port.then is None, "the publish met the snapshot's record"
+
+        def written() -> dict[str, Any] | None:
+            kv = port.get(key)
+            if kv is None or kv.lease != registration.lease_id:
+                return None
+            value: dict[str, Any] = json.loads(kv.value)
+            return value if value.get("labels", {}).get("zone") == "b" else None
+
+        value = wait_for(written, timeout=_FOLLOWS_WITHIN, message="the record written again")
+        assert value["status"] == "draining", "the snapshot's status came back"
+        assert registration.status is EngineStatus.DRAINING
+        assert registration.state is RegistrationState.REGISTERED
+
+
 def test_a_listing_that_raced_the_repair_keeps_the_new_clusters_lease(
     memory_etcd: MemoryEtcd, ports: Callable[[], MemoryPort]
 ) -> None:

@@ -678,6 +678,11 @@ class Registration:
             if found is None or found.lease != lease_id:
                 self._record_lost("the key was deleted or taken over by someone else")
                 return
+            if found.mod_revision < mod:
+                # Older than our own write: etcd's history went back (a snapshot restored
+                # brought our lease back too). No outside change: the record watch's
+                # listing says so, and the session writes our record again (rebased()).
+                break
             self._adopt(found)  # an outside change we had not seen: ours goes on top
         self._session._publish_later(self)
 

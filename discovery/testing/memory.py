@@ -62,7 +62,7 @@ from discovery._etcd.port import (
 )
 from discovery._settings import ETCD_MAX_REQUEST_BYTES
 
-__all__ = ["MemoryEtcd", "MemoryPort"]
+__all__ = ["MemoryEtcd", "MemoryPort", "MemorySnapshot"]
 
 T = TypeVar("T")
 
@@ -72,6 +72,17 @@ class _Lease:
     ttl: int
     deadline: float  # time.monotonic() at which it expires
     keys: set[bytes] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    """A ``MemoryEtcd``'s state at one revision (``MemoryEtcd.snapshot``)."""
+
+    revision: int
+    compacted: int
+    keys: dict[bytes, KeyValue]
+    history: list[tuple[int, tuple[WatchEvent, ...]]]
+    leases: dict[int, tuple[int, set[bytes]]]  # id: (TTL, keys)
 
 
 class MemoryEtcd:
@@ -132,6 +143,36 @@ class MemoryEtcd:
             self._leases.clear()
             if new_id:
                 self.cluster_id = _new_cluster_id()
+
+    def snapshot(self) -> MemorySnapshot:
+        """What ``etcdctl snapshot save`` keeps: every key, lease and revision, for ``restore``."""
+        with self._lock:
+            return MemorySnapshot(
+                self._revision,
+                self._compacted,
+                dict(self._keys),
+                list(self._history),
+                {id_: (lease.ttl, set(lease.keys)) for id_, lease in self._leases.items()},
+            )
+
+    def restore_snapshot(self, snapshot: MemorySnapshot) -> None:
+        """Go back to ``snapshot``, as ``etcdutl snapshot restore`` on every member.
+
+        Open streams end (the members went down); the keys, leases and revision are the
+        snapshot's, each lease's TTL in full again, under a new cluster id.
+        """
+        with self._lock:
+            self._end_streams(lambda: EtcdUnavailableError("etcd restarted (restored)", "restored"))
+            self._revision, self._compacted = snapshot.revision, snapshot.compacted
+            self._keys = dict(snapshot.keys)
+            self._history = list(snapshot.history)
+            deadline = time.monotonic()
+            self._leases = {
+                lease_id: _Lease(ttl, deadline + ttl, set(keys))
+                for lease_id, (ttl, keys) in snapshot.leases.items()
+            }
+            self.cluster_id = _new_cluster_id()
+            self._lock.notify_all()  # the sweeper: new deadlines
 
     def outage(self, *, no_leader: bool = False) -> contextlib.ExitStack:
         """Make etcd unreachable until ``restore()`` (or the end of a ``with`` block).
