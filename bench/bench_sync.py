@@ -20,10 +20,11 @@ first page's), every value JSON-decoded into a dict keyed by key.
 Each contender runs in its own process (aetcd's and etcd3aio's generated protobuf modules
 cannot share a process with python3-etcd3's), started once per size; the samples are
 interleaved round by round in a shuffled order so that load from other processes on the
-machine spreads over all. Wall time and the worker process's CPU time per sync; the target
-(issue 16) is ours <= 1.2x raw, judged on the median of the rounds, and faster than every
-peer. Memory: tracemalloc of what a finished sync keeps (ours: the watcher's cache, the
-table and one snapshot; raw: the dict of decoded values), per endpoint.
+machine spreads over all. Wall time and the worker process's CPU time per sync; the targets
+(issue 44) are ours <= raw and <= every peer, in wall time and in CPU, each judged on the
+median of the rounds (run_all.py takes them idle and beside one CPU-burning process).
+Memory: tracemalloc of what a finished sync keeps (ours: the watcher's cache, the table
+and one snapshot; raw: the dict of decoded values), per endpoint.
 ``--profile`` also samples our worker with py-spy (every thread; the list runs on the
 watcher's) over 5 syncs at the largest size: bench/out/sync_profile_N.txt holds the
 functions by share of the samples (inclusive and own), next to the raw collapsed stacks.
@@ -238,20 +239,14 @@ def main() -> None:
                 )
             results["sizes"][n] = {"stats": stats, "memory": memory, "value_bytes": value_bytes}
             if "ours" in stats and raw:
-                ours = stats["ours"]["median"]
-                targets.append(
-                    Target(f"initial sync @ {n:,}, ours/raw median", ours / raw, 1.2, "x")
-                )
-                for peer in ("aetcd", "etcd3aio", "etcd_client"):
-                    if peer in stats:
-                        targets.append(
-                            Target(
-                                f"initial sync @ {n:,}, ours/{peer} median",
-                                ours / stats[peer]["median"],
-                                1.0,
-                                "x",
-                            )
-                        )
+                # Issue 44: wall time and CPU each <= raw's and every peer's (issue 16's
+                # 1.2x raw superseded).
+                for peer in ("raw", "aetcd", "etcd3aio", "etcd_client"):
+                    for measure, key in (("median", "median"), ("CPU median", "cpu_median")):
+                        if peer in stats:
+                            ratio = stats["ours"][key] / stats[peer][key]
+                            name = f"initial sync @ {n:,}, ours/{peer} {measure}"
+                            targets.append(Target(name, ratio, 1.0, "x"))
             if "ours" in memory:
                 per = memory["ours"]["per_endpoint"] / 1024
                 targets.append(Target(f"table memory per endpoint @ {n:,}", per, 1.0, "KiB"))
