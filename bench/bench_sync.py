@@ -242,11 +242,12 @@ def main() -> None:
                 # Issue 44: wall time and CPU each <= raw's and every peer's (issue 16's
                 # 1.2x raw superseded).
                 for peer in ("raw", "aetcd", "etcd3aio", "etcd_client"):
+                    if peer not in stats:
+                        continue
                     for measure, key in (("median", "median"), ("CPU median", "cpu_median")):
-                        if peer in stats:
-                            ratio = stats["ours"][key] / stats[peer][key]
-                            name = f"initial sync @ {n:,}, ours/{peer} {measure}"
-                            targets.append(Target(name, ratio, 1.0, "x"))
+                        ratio = stats["ours"][key] / stats[peer][key]
+                        name = f"initial sync @ {n:,}, ours/{peer} {measure}"
+                        targets.append(Target(name, ratio, 1.0, "x"))
             if "ours" in memory:
                 per = memory["ours"]["per_endpoint"] / 1024
                 targets.append(Target(f"table memory per endpoint @ {n:,}", per, 1.0, "KiB"))

@@ -85,6 +85,9 @@ class MemorySnapshot:
     leases: dict[int, tuple[int, set[bytes]]]  # id: (TTL, keys)
 
 
+_EMPTY = MemorySnapshot(1, 0, {}, [], {})  # a new etcd is at revision 1
+
+
 class MemoryEtcd:
     """The shared state of an in-memory etcd cluster (see the module docs).
 
@@ -135,17 +138,10 @@ class MemoryEtcd:
         Open streams end (the member went down); the revision is 1 again. The cluster id
         stays (etcd derives it from the members and the token) unless ``new_id``.
         """
-        with self._lock:
-            self._end_streams(lambda: EtcdUnavailableError("etcd restarted (wiped)", "wiped"))
-            self._revision, self._compacted = 1, 0
-            self._keys.clear()
-            self._history.clear()
-            self._leases.clear()
-            if new_id:
-                self.cluster_id = _new_cluster_id()
+        self._replace(_EMPTY, "wiped", new_id=new_id)
 
     def snapshot(self) -> MemorySnapshot:
-        """What ``etcdctl snapshot save`` keeps: every key, lease and revision, for ``restore``."""
+        """What ``etcdctl snapshot save`` keeps: every key, lease and revision."""
         with self._lock:
             return MemorySnapshot(
                 self._revision,
@@ -161,17 +157,22 @@ class MemoryEtcd:
         Open streams end (the members went down); the keys, leases and revision are the
         snapshot's, each lease's TTL in full again, under a new cluster id.
         """
+        self._replace(snapshot, "restored", new_id=True)
+
+    def _replace(self, snapshot: MemorySnapshot, cause: str, *, new_id: bool) -> None:
+        """Hold ``snapshot``'s state from now on; open streams end with ``cause``."""
         with self._lock:
-            self._end_streams(lambda: EtcdUnavailableError("etcd restarted (restored)", "restored"))
+            self._end_streams(lambda: EtcdUnavailableError(f"etcd restarted ({cause})", cause))
             self._revision, self._compacted = snapshot.revision, snapshot.compacted
             self._keys = dict(snapshot.keys)
             self._history = list(snapshot.history)
-            deadline = time.monotonic()
+            now = time.monotonic()
             self._leases = {
-                lease_id: _Lease(ttl, deadline + ttl, set(keys))
+                lease_id: _Lease(ttl, now + ttl, set(keys))
                 for lease_id, (ttl, keys) in snapshot.leases.items()
             }
-            self.cluster_id = _new_cluster_id()
+            if new_id:
+                self.cluster_id = _new_cluster_id()
             self._lock.notify_all()  # the sweeper: new deadlines
 
     def outage(self, *, no_leader: bool = False) -> contextlib.ExitStack:
