@@ -1202,13 +1202,13 @@ def no_hashing(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("an image request's prompt was hashed")
 
+    import discovery._routing.pairs as pairs  # noqa: PLC0415 - the pair's alone check
     import discovery._routing.policies as policies  # noqa: PLC0415
-    import discovery._routing.router as router_module  # noqa: PLC0415
 
     for name in ("_block_hashes", "_first_block_key"):
         monkeypatch.setattr(policies, name, refuse)
     monkeypatch.setattr(policies, "LazyBlockHashes", refuse)
-    monkeypatch.setattr(router_module, "block_hashes", refuse)
+    monkeypatch.setattr(pairs, "block_hashes", refuse)
 
 
 @pytest.mark.parametrize("policy", ["auto", "longest_prefix", "first_prefix_block"])
