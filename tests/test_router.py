@@ -258,6 +258,47 @@ def test_load_balanced_rotates_exact_ties() -> None:
     assert sorted(chosen.values()) == [100, 100, 100, 100], chosen
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [[32] * 8, [16, 32, 32, 64, 48, 32, 8, 32, 128], [32] * 6 + [10**12]],
+    ids=["equal", "mixed", "a liar"],
+)
+def test_least_loaded_kept_by_score_answers_as_the_scan(slots) -> None:
+    """Issue 44 item 2: the picker's set keeps its candidates by score (``tally``), and the
+    least loaded read from it is the scan's, ties and rotation included, as loads change
+    by picks, releases and other routers' reports (two of three: power of two choices)."""
+    from discovery._routing.policies import tally  # noqa: PLC0415
+
+    engines = tuple(
+        Candidate(EngineRecord(f"e{i}", make_endpoint(i, LB, max_num_seqs=n)))
+        for i, n in enumerate(slots)
+    )
+    scanned = list(engines)  # another set of the same candidates: scanned per pick
+    kept = tally(engines)
+    indexed, scanning = LoadBalancedPolicy(), LoadBalancedPolicy()
+    indexed._random, scanning._random = random.Random(7), random.Random(7)
+    rng = random.Random(11)
+    held: list[Candidate] = []
+    for step in range(3000):
+        chosen = indexed.least_loaded(engines)
+        assert chosen is scanning.least_loaded(scanned), step
+        assert kept.ranks is not None
+        roll = rng.random()
+        if roll < 0.5:
+            chosen._acquire()
+            held.append(chosen)
+        elif roll < 0.9 and held:
+            held.pop(rng.randrange(len(held)))._release()
+        elif roll < 0.97:
+            others = rng.choice([0, 0, 0, 1, 3])
+            rng.choice(engines)._set_others(others)
+        else:  # all idle again: every candidate ties
+            for engine in held:
+                engine._release()
+            held.clear()
+    assert kept.total == sum(e.load for e in engines)
+
+
 def test_first_prefix_block_keeps_a_first_block_on_one_engine() -> None:
     fleet = Fleet()
     fleet.add_many(8)  # block size 256

@@ -83,6 +83,7 @@ import logging
 import math
 import random
 import struct
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
@@ -270,28 +271,39 @@ class Candidate:
             if caps.enable_prefix_caching
             else RoutingPolicy.LOAD_BALANCED
         )
+        if self._tally is not None:
+            self._tally.ranks = None  # its capacity may weigh the set anew: ranked again
         self._rescore()
 
     def _rescore(self) -> None:
         load = self.in_flight + self.others
-        if self._tally is not None:
-            self._tally.total += load - self.load
+        kept = self._tally
+        if kept is not None:
+            kept.total += load - self.load
         self.load = load
         self._score = (load + 1) / self.capacity
+        if kept is not None and kept.ranks is not None:
+            kept.ranks.moved(self)
 
     def _acquire(self) -> None:
         self.in_flight += 1
         self.load += 1  # _rescore's, inline: once per pick
         self._score = (self.load + 1) / self.capacity
-        if self._tally is not None:
-            self._tally.total += 1
+        kept = self._tally
+        if kept is not None:
+            kept.total += 1
+            if kept.ranks is not None:
+                kept.ranks.moved(self)
 
     def _release(self) -> None:
         self.in_flight -= 1
         self.load -= 1  # _rescore's, inline: once per release
         self._score = (self.load + 1) / self.capacity
-        if self._tally is not None:
-            self._tally.total -= 1
+        kept = self._tally
+        if kept is not None:
+            kept.total -= 1
+            if kept.ranks is not None:
+                kept.ranks.moved(self)
 
     def _set_others(self, others: int, routers: int = 1, rank: int = 0) -> None:
         if self._tally is not None:
@@ -312,22 +324,79 @@ class LoadTally:
     """The total load of one candidate set, kept as its candidates' loads change.
 
     A router keeps one for the set its picker hands out (``tally``), so the load bound
-    reads a number instead of summing every candidate per pick.
+    reads a number instead of summing every candidate per pick, and, once a policy asks
+    for the least loaded (``ranked``), the candidates by score, so that is no scan either.
     """
 
-    __slots__ = ("candidates", "shared", "total")
+    __slots__ = ("candidates", "ranks", "shared", "total")
 
     def __init__(self, candidates: tuple[Candidate, ...]) -> None:
         self.candidates = candidates
         self.total: int = sum(map(_LOAD, candidates))
         self.shared = sum(1 for c in candidates if c.others)
         """Candidates some other router holds load on."""
+        self.ranks: _Ranks | None = None
+        """The candidates by score, from the first ``ranked()`` on."""
+
+    def ranked(self) -> _Ranks:
+        """The candidates by score, kept from now on as their loads change."""
+        if self.ranks is None:
+            self.ranks = _Ranks(self.candidates, _scorer(_weights(self.candidates)[1]))
+        return self.ranks
 
     def detach(self) -> None:
         """Stop counting: its candidates' loads no longer reach it."""
         for candidate in self.candidates:
             if candidate._tally is self:
                 candidate._tally = None
+
+
+class _Ranks:
+    """A tallied set's candidates by score (``_scorer``): the lowest without a scan.
+
+    Each score present holds the places (in the set) of its candidates, ascending; the
+    scores present are kept sorted. A load change moves one place between two scores.
+    """
+
+    __slots__ = ("levels", "places", "score", "scores", "slots")
+
+    def __init__(
+        self, candidates: Sequence[Candidate], score: Callable[[Candidate], float]
+    ) -> None:
+        self.score = score
+        self.places = {c: place for place, c in enumerate(candidates)}
+        self.scores = list(map(score, candidates))
+        self.slots: dict[float, list[int]] = {}
+        for place, value in enumerate(self.scores):
+            self.slots.setdefault(value, []).append(place)
+        self.levels = sorted(self.slots)
+
+    def moved(self, candidate: Candidate) -> None:
+        """``candidate``'s load changed: move it to its new score."""
+        place = self.places[candidate]
+        old, new = self.scores[place], self.score(candidate)
+        if new == old:
+            return
+        self.scores[place] = new
+        slots = self.slots
+        places = slots[old]
+        if len(places) == 1:
+            del slots[old]
+            del self.levels[bisect_left(self.levels, old)]
+        else:
+            del places[bisect_left(places, place)]
+        joined = slots.get(new)
+        if joined is None:
+            slots[new] = [place]
+            insort(self.levels, new)
+        else:
+            insort(joined, place)
+
+    def lowest(self, start: int) -> int:
+        """The place of the first lowest-scored candidate at or after ``start``, else the first."""
+        places = self.slots[self.levels[0]]
+        at = bisect_left(places, start)
+        return places[at] if at < len(places) else places[0]
 
 
 def tally(candidates: tuple[Candidate, ...]) -> LoadTally:
@@ -338,20 +407,21 @@ def tally(candidates: tuple[Candidate, ...]) -> LoadTally:
     return kept
 
 
-def _others_hold(candidates: Sequence[Candidate]) -> bool:
-    """Whether other routers hold some load on a candidate: kept for the picker's set."""
+def _kept(candidates: Sequence[Candidate]) -> LoadTally | None:
+    """The tally kept for exactly ``candidates`` (the router's picker's set), if any."""
     kept = candidates[0]._tally
-    if kept is not None and kept.candidates is candidates:
-        return kept.shared > 0
-    return any(map(_OTHERS, candidates))
+    return kept if kept is not None and kept.candidates is candidates else None
+
+
+def _others_hold(candidates: Sequence[Candidate], kept: LoadTally | None) -> bool:
+    """Whether other routers hold some load on a candidate: kept (``_kept``) for the picker's."""
+    return kept.shared > 0 if kept is not None else any(map(_OTHERS, candidates))
 
 
 def _total_load(candidates: Sequence[Candidate]) -> int:
     """The candidates' total load: kept (``tally``) for the router's picker's set."""
-    kept = candidates[0]._tally
-    if kept is not None and kept.candidates is candidates:
-        return kept.total
-    return sum(map(_LOAD, candidates))
+    kept = _kept(candidates)
+    return kept.total if kept is not None else sum(map(_LOAD, candidates))
 
 
 class PickRequest(NamedTuple):
@@ -514,7 +584,8 @@ class LoadBalancedPolicy(Policy):
         if last is not candidates:
             score = _scorer(self._weights(candidates)[1])
             self._scored = (candidates, score)
-        if count > 2 and _others_hold(candidates):
+        kept = _kept(candidates)
+        if count > 2 and _others_hold(candidates, kept):
             first = self._random.randrange(count)
             second = self._random.randrange(count - 1)
             second += second >= first
@@ -523,6 +594,8 @@ class LoadBalancedPolicy(Policy):
         # The first of the lowest at or after a rotating start spreads exact ties.
         start = self._turn % len(candidates)
         self._turn += 1
+        if kept is not None:  # the picker's set: its candidates are kept by score
+            return candidates[kept.ranked().lowest(start)]
         scores = list(map(score, candidates))
         lowest = min(scores)
         try:
