@@ -90,18 +90,7 @@ class Explainer(TableView):
 
     def reasons(self) -> dict[str, int]:
         """How many engines the router sees per reason (``Explanation.reason``), no request."""
-        ask, _ = self._ask(
-            (),
-            0,
-            selector=None,
-            weight_version=None,
-            min_weight_version=None,
-            max_version_lag=None,
-            block_hashes=None,
-            exclude=None,
-            wait=None,
-            priority=0,
-        )
+        ask, _ = self._plain_ask((), 0)
         counts: dict[str, int] = {}
         with self._lock:
             self._refresh_locked()
