@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,8 @@ from discovery import (
     undrain,
     watch_table,
 )
-from discovery._writes.registration import _TRANSITIONS, _Event
+from discovery._writes.registration import _TRANSITIONS, Registration, _Event
+from discovery.testing.memory import MemoryEtcd, MemoryPort
 
 from .conftest import Store
 from .helpers import (
@@ -129,6 +131,43 @@ def test_drain_revokes_at_its_deadline(store: Store) -> None:
         quick = register_engine(make_endpoint(), engine_id="quick", **store.using())
         quick.drain(0)  # nothing to wait for: revoked at once
         assert quick.state is S.CLOSED and store.get(quick.key) is None
+
+
+class _SlowUpdate:
+    """A port whose record updates are slow: whether ``registration`` began closing while
+    one was in flight is noted in ``closed_under_write``."""
+
+    def __init__(self, port: MemoryPort) -> None:
+        self._port = port
+        self.registration: Registration | None = None
+        self.closed_under_write = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._port, name)
+
+    def update(self, key: str, value: bytes, lease_id: int, *, mod_revision: int) -> Any:
+        if self.registration is not None:
+            # Long enough for a close started on another thread to be seen.
+            closing = self.registration.wait_for_state(S.CLOSED, timeout=0.5)
+            self.closed_under_write = self.closed_under_write or closing
+        return self._port.update(key, value, lease_id, mod_revision=mod_revision)
+
+
+def test_a_drain_of_0_closes_after_its_own_write(memory_etcd: MemoryEtcd) -> None:
+    """drain(0) marks the record draining, then closes. Its deadline, due at once, is armed
+    after that write: armed before, it closed the registration on a pool thread under the
+    write, which then failed on the closed connection (drain raised "Channel closed!" on
+    real etcd, a CI flake of test_drain_revokes_at_its_deadline)."""
+    with MemoryPort(memory_etcd) as inner:
+        port = _SlowUpdate(inner)
+        settings = Settings(namespace="drain-0")
+        quick = register_engine(
+            make_endpoint(), engine_id="quick", settings=settings, connection=port
+        )
+        port.registration = quick
+        quick.drain(0)
+        assert not port.closed_under_write
+        assert quick.state is S.CLOSED and inner.get(quick.key) is None
 
 
 def test_a_bad_status_is_skipped_and_counted_then_the_registrar_writes_its_own(

@@ -446,19 +446,28 @@ class Registration:
                 self._pending = MappingProxyType({**self._pending, **own})
                 self._forced = self._forced or force
             registered = self._state is RegistrationState.REGISTERED
-        self._status_changed()
-        if registered:
-            try:
-                self._conn.call(self._publish)
-            except DiscoveryError as exc:
-                if not isinstance(exc, RequestTooLargeError):
-                    self._session._publish_later(self)
-                self._write_refused(exc)
-                raise
-            with self._lock:
-                refused = self._refused
-            if refused is not None and refused[0] <= mine <= refused[1]:
-                raise refused[2]
+        # A drain deadline is armed once this write is done: one already due (drain(0))
+        # closed the registration on a pool thread under the write, whose call then failed
+        # on the closed connection ("Channel closed!"). A cancel goes first, as before.
+        arm_after = registered and record.drain_deadline is not None
+        if not arm_after:
+            self._status_changed()
+        if not registered:
+            return
+        try:
+            self._conn.call(self._publish)
+        except DiscoveryError as exc:
+            if not isinstance(exc, RequestTooLargeError):
+                self._session._publish_later(self)
+            self._write_refused(exc)
+            raise
+        finally:
+            if arm_after:
+                self._status_changed()
+        with self._lock:
+            refused = self._refused
+        if refused is not None and refused[0] <= mine <= refused[1]:
+            raise refused[2]
 
     def _published(self) -> None:
         """What was pending is in etcd now (call under the lock)."""
