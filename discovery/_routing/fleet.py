@@ -691,6 +691,10 @@ class FleetClient:
         """
         router = self._router
         if options is _NO_OPTIONS and wait is None and not excluded:  # most requests
+            if not router._admit:  # a pick that never waits: pick's own, the state's picker
+                handle = router.pick(route.tokens, route.max_tokens)
+                handle.on_lost(listener)
+                return handle
             ask, timeout = router._plain_ask(route.tokens, route.max_tokens)
             return router._pick_now(ask, timeout, listener)
         ask, timeout = router._ask(
