@@ -168,29 +168,37 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 class Listeners(Generic[F]):
-    """A thread-safe set of callbacks; ``add()`` returns the function that removes one."""
+    """A thread-safe set of callbacks; ``add()`` returns the function that removes one.
+
+    Copy on write: a change replaces the tuple under the lock, so a read (one per event
+    on the watch path) takes no lock and copies nothing.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: list[F] = []
+        self._items: tuple[F, ...] = ()
 
     def add(self, callback: F) -> Callable[[], None]:
         """Add ``callback``; call the returned function to remove it (idempotent)."""
         with self._lock:
-            self._items.append(callback)
+            self._items = (*self._items, callback)
 
         def remove() -> None:
             with self._lock:
                 if callback in self._items:
-                    self._items.remove(callback)
+                    items = list(self._items)
+                    items.remove(callback)
+                    self._items = tuple(items)
 
         return remove
 
     def __iter__(self) -> Iterator[F]:
-        """The callbacks at this moment (a copy: safe to iterate outside any lock)."""
-        with self._lock:
-            return iter(list(self._items))
+        """The callbacks at this moment (an immutable tuple: safe outside any lock)."""
+        return iter(self._items)
+
+    def current(self) -> tuple[F, ...]:
+        """The callbacks at this moment, without a copy."""
+        return self._items
 
     def __bool__(self) -> bool:
-        with self._lock:
-            return bool(self._items)
+        return bool(self._items)

@@ -83,12 +83,16 @@ class RoutingTable:
 
     def deliver(self, batch: Batch) -> None:
         """Hand a batch the store just applied to the listeners (on the store's thread)."""
-        if self._inline or self._listeners:
+        # Each set read once (lock-free, copy on write): both hold this batch's listeners.
+        inline, listeners = self._inline.current(), self._listeners.current()
+        if inline or listeners:
             snapshot = self.store.snapshot()
-            for listener in self._inline:
+            for listener in inline:
                 run_inline(listener, batch, snapshot)
-            for listener in self._listeners:
-                self.store.dispatcher.submit(listener, batch, snapshot)
+            if listeners:
+                submit = self.store.dispatcher.submit
+                for listener in listeners:
+                    submit(listener, batch, snapshot)
 
     def wants(self) -> bool:
         """Whether ``deliver`` would use a batch now: with listeners, or when overridden."""

@@ -333,13 +333,15 @@ class _Feed:
             skip = len(self._prefix)
             changes = []
             for event in response.events:
-                key = event.kv.key.decode("utf-8", "backslashreplace")
-                record = self._decode(key, event.kv.value) if event.is_put else None
-                changes.append(Change(key, key[skip:], event.kv.mod_revision, record))
+                kv = event.kv
+                key = kv.key.decode("utf-8", "backslashreplace")
+                record = self._decode(key, kv.value) if event.is_put else None
+                changes.append(Change(key, key[skip:], kv.mod_revision, record))
             applied = self._store.apply(changes)
-            self._metrics.events_applied(
-                self._prefix, (kind.value for kind in applied), time.perf_counter() - started
-            )
+            if self._metrics is not NO_METRICS:  # no metric call per response without metrics
+                self._metrics.events_applied(
+                    self._prefix, (kind.value for kind in applied), time.perf_counter() - started
+                )
         self._freshness.proved()  # after the store took the batch (see _reads/store.py)
 
     def _decode(self, key: str, value: bytes) -> EngineRecord | None:
