@@ -60,7 +60,7 @@ from discovery._etcd.transport import connect, keyspace_for, port_for
 from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._reads.staleness import Freshness, default_stale_after
 from discovery._reads.store import Batch, Change, EndpointEvent, EngineStore, Entry
-from discovery._records.codec import KeySpace
+from discovery._records.codec import KeySpace, decode
 from discovery._records.record import EngineRecord, RecordView
 from discovery._records.selector import Selector, SelectorLike, selector_of
 from discovery._settings import Settings, positive_seconds
@@ -340,18 +340,20 @@ class _Feed:
         """
         revision = 0
         entries: dict[str, Entry] = {}
-        decode, selector, entry = self._keyspace.decode, self._selector, tuple.__new__
-        # The loop of _decode, inlined: it runs once per engine (50,000 at start-up).
+        engine_id, selector, entry = self._keyspace.engine_id, self._selector, tuple.__new__
+        selecting = bool(selector)  # constant: not asked per record
+        # The loop of _decode (KeySpace.decode's too), inlined: it runs once per engine
+        # (50,000 at start-up).
         with _collector_paused():
             for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
                 for kv in kvs:
                     key = kv.key.decode("utf-8", "backslashreplace")
                     try:
-                        record = decode(key, kv.value)
+                        record = decode(key, kv.value, engine_id(key))
                     except RecordDecodeError as exc:
                         self._skip(exc)
                         continue
-                    if not selector or record.matches(selector):
+                    if not selecting or record.matches(selector):
                         # Entry(key, record, revision), without its Python-level __new__.
                         entries[record.engine_id] = entry(Entry, (key, record, kv.mod_revision))
         kinds = self._store.replace(entries, revision, reset=reset)
