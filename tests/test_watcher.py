@@ -5,6 +5,7 @@ cluster, a frozen member and quorum loss on real etcd."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -38,6 +39,7 @@ from discovery import (
 from discovery._backoff import Backoff
 from discovery._etcd.port import KeyValue, WatchResponse
 from discovery._etcd.reflector import Reflector
+from discovery._reads.watcher import _CollectorPause
 from discovery._records.codec import encode
 from discovery._records.record import EngineRecord
 
@@ -745,3 +747,21 @@ def test_a_quiet_watch_stays_current_through_progress_requests(
 def test_bad_staleness_settings_are_refused(name: str, bad: object) -> None:
     with pytest.raises(ConfigurationError, match=f"{name} must be a positive number of seconds"):
         EndpointWatcher(Settings(), **{name: bad})
+
+
+def test_the_collector_is_paused_while_any_listing_decodes_and_restored_after_the_last() -> None:
+    pause, was = _CollectorPause(), gc.isenabled()
+    try:
+        gc.enable()
+        with pause():
+            with pause():  # a second listing at the same time
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the first still decodes
+        assert gc.isenabled()
+        gc.disable()  # the application's choice: kept
+        with pytest.raises(RuntimeError), pause():
+            raise RuntimeError("a listing that fails")
+        assert not gc.isenabled()
+    finally:
+        if was:
+            gc.enable()

@@ -280,22 +280,40 @@ class _Range(NamedTuple):
     revision: int  # 0: the current revision (the first page)
 
 
-class _Ahead(NamedTuple):
-    """A Range request sent before its answer is needed: the client and member it went to."""
+class _Prefetch:
+    """One thread that reads a listing's next page while the caller decodes the current one.
 
-    future: Any
-    client: _Client
-    member: etcd3.Endpoint
+    Plain blocking reads (a gRPC future per page would start a channel thread per page);
+    at most one request is out at a time. ``close()`` ends the thread.
+    """
+
+    def __init__(self, read: Callable[[_Range], Any], name: str) -> None:
+        self._read = read
+        self._requests: queue.SimpleQueue[_Range | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        for request in iter(self._requests.get, None):
+            try:
+                self._answers.put((True, self._read(request)))
+            except BaseException as exc:  # re-raised on the caller's thread
+                self._answers.put((False, exc))
+
+    def send(self, request: _Range) -> None:
+        """Start reading ``request``'s page."""
+        self._requests.put(request)
 
     def result(self) -> Any:
-        """The answer; a failure benches the member, as python3-etcd3's own calls do."""
-        try:
-            return self.future.result()
-        except grpc.RpcError as exc:
-            if exc.code() in _MEMBER_FAILURE_CODES:
-                self.member.fail()  # the next read goes to another member, if one is healthy
-                self.client._clear_old_stubs()
-            raise
+        """The page last sent, or what its read raised."""
+        ok, answer = self._answers.get()
+        if not ok:
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        """End the thread once its read in progress (if any) is done."""
+        self._requests.put(None)
 
 
 def _compacted_as_such(read: Callable[[], Any]) -> Any:
@@ -792,70 +810,52 @@ class Connection(CloseHooks):
         """(revision, keys) per page of ``prefix``, every page read at the first's revision.
 
         ``first_page`` keys in the first page (default ``page_size``): a small one gives the
-        caller work sooner. While the caller works on one page, the next is already on its
-        way (an async request), so decoding overlaps the network. Each page is retried for
-        up to ``timeout`` seconds; raises ``Compacted`` if the revision goes meanwhile.
+        caller work sooner. While the caller works on one page, a thread of the listing's
+        reads the next (blocking reads, one at a time), so decoding overlaps the network.
+        Each page is retried for up to ``timeout`` seconds; raises ``Compacted`` if the
+        revision goes meanwhile.
         """
         key = prefix.encode()
         request = _Range(key, prefix_range_end(key), first_page or page_size, 0)
-        page = self._range_page(request, timeout, None, prefix)
+        read = functools.partial(self._range_page, timeout=timeout, prefix=prefix)
+        page = read(request)
         request = request._replace(revision=page.header.revision, limit=page_size)
-        while True:
-            kvs = page.kvs
-            ahead = None
-            if page.more and kvs:
-                request = request._replace(start=kvs[-1].key + b"\0")
-                ahead = self._range_ahead(request)
-            yield Page(request.revision, _key_values(kvs), page.header.cluster_id)
-            if not (page.more and kvs):
-                return
-            page = self._range_page(request, timeout, ahead, prefix)
-
-    def _range_ahead(self, request: _Range) -> _Ahead | None:
-        """An async Range request for a page, or None if it cannot be sent now."""
+        ahead = None  # started by a full first page: a listing of one page starts no thread
         try:
-            client = self._current()
-            member = client.endpoint_in_use
-            future = client.kvstub.Range.future(
-                etcdrpc.RangeRequest(
-                    key=request.start,
-                    range_end=request.end,
-                    limit=request.limit,
-                    revision=request.revision,
-                ),
-                client.timeout,
-                credentials=client.call_credentials,
-                metadata=client.metadata,
-            )
-        except Exception:  # the synchronous read of _range_page retries and reports
-            return None
-        return _Ahead(future, client, member)
+            while True:
+                kvs = page.kvs
+                more = page.more and kvs
+                if more:
+                    request = request._replace(start=kvs[-1].key + b"\0")
+                    if ahead is None:
+                        ahead = _Prefetch(read, f"list {prefix}")
+                    ahead.send(request)
+                yield Page(request.revision, _key_values(kvs), page.header.cluster_id)
+                if not more:
+                    return
+                assert ahead is not None
+                page = ahead.result()
+        finally:
+            if ahead is not None:
+                ahead.close()
 
-    def _range_page(
-        self, request: _Range, timeout: float | None, ahead: _Ahead | None, prefix: str
-    ) -> Any:
-        """One page of ``prefix``: ``ahead``'s answer (its first attempt), then (retried) reads.
+    def _range_page(self, request: _Range, *, timeout: float | None, prefix: str) -> Any:
+        """One page of ``prefix``, retried for up to ``timeout`` seconds.
 
         A listing's pages do not start the member sync (a watcher's watch does, on its own
         thread): no thread start holds up a new watcher's first listing.
         """
         start, end, limit, revision = request
-        sent = [ahead] if ahead is not None else []
-
-        def attempt() -> Any:
-            if sent:
-                return self._attempt(
-                    lambda _: _compacted_as_such(sent.pop().result), sync=False, key=prefix
-                )
-            return self._attempt(
+        return self.call(
+            lambda: self._attempt(
                 lambda c: _compacted_as_such(
                     lambda: c.get_range_response(start, end, limit=limit, revision=revision or None)
                 ),
                 sync=False,
                 key=prefix,
-            )
-
-        return self.call(attempt, timeout=timeout)
+            ),
+            timeout=timeout,
+        )
 
     def get(self, key: str) -> KeyValue | None:
         """The key, or None."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -59,7 +60,7 @@ from discovery._etcd.transport import connect, keyspace_for, port_for
 from discovery._metrics import NO_METRICS, MetricsHooks
 from discovery._reads.staleness import Freshness, default_stale_after
 from discovery._reads.store import Batch, Change, EndpointEvent, EngineStore, Entry
-from discovery._records.codec import KeySpace
+from discovery._records.codec import KeySpace, decode
 from discovery._records.record import EngineRecord, RecordView
 from discovery._records.selector import Selector, SelectorLike, selector_of
 from discovery._settings import Settings, positive_seconds
@@ -277,6 +278,38 @@ class EndpointWatcher:
         return f"{len(self.store)} engines at revision {self.store.revision}, last error: {error}"
 
 
+class _CollectorPause:
+    """The cyclic garbage collector paused while any listing decodes (a counter of them).
+
+    A 50,000-record listing allocates a few objects per record, all kept: the collections
+    they trigger find nothing to free and cost ~11% of its CPU. Re-enabled after the last
+    listing only if it was enabled before the first.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listings = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if not self._listings:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._listings += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._listings -= 1
+                if not self._listings and self._was_enabled:
+                    gc.enable()
+
+
+_collector_paused = _CollectorPause()
+
+
 class _Feed:
     """The reflector's target: decodes and selects what etcd says, and hands it to the store."""
 
@@ -307,19 +340,22 @@ class _Feed:
         """
         revision = 0
         entries: dict[str, Entry] = {}
-        decode, selector, entry = self._keyspace.decode, self._selector, tuple.__new__
-        # The loop of _decode, inlined: it runs once per engine (50,000 at start-up).
-        for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
-            for kv in kvs:
-                key = kv.key.decode("utf-8", "backslashreplace")
-                try:
-                    record = decode(key, kv.value)
-                except RecordDecodeError as exc:
-                    self._skip(exc)
-                    continue
-                if not selector or record.matches(selector):
-                    # Entry(key, record, revision), without its Python-level __new__.
-                    entries[record.engine_id] = entry(Entry, (key, record, kv.mod_revision))
+        engine_id, selector, entry = self._keyspace.engine_id, self._selector, tuple.__new__
+        selecting = bool(selector)  # constant: not asked per record
+        # The loop of _decode (KeySpace.decode's too), inlined: it runs once per engine
+        # (50,000 at start-up).
+        with _collector_paused():
+            for revision, kvs in pages:  # noqa: B007 - every page is at the listing's revision
+                for kv in kvs:
+                    key = kv.key.decode("utf-8", "backslashreplace")
+                    try:
+                        record = decode(key, kv.value, engine_id(key))
+                    except RecordDecodeError as exc:
+                        self._skip(exc)
+                        continue
+                    if not selecting or record.matches(selector):
+                        # Entry(key, record, revision), without its Python-level __new__.
+                        entries[record.engine_id] = entry(Entry, (key, record, kv.mod_revision))
         kinds = self._store.replace(entries, revision, reset=reset)
         self.listed.set()
         self._metrics.events_applied(self._prefix, (kind.value for kind in kinds), 0.0)
