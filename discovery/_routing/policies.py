@@ -718,7 +718,7 @@ def _rendezvous(
         return chosen
     capacity, cap = weights
     scale = _bound_scale(candidates, load_factor, capacity)
-    if chosen.load < scale * (chosen.capacity if cap is None else min(chosen.capacity, cap)):
+    if chosen.load < scale * _weight(chosen, cap):
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
