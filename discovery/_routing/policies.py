@@ -86,7 +86,8 @@ import struct
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from operator import attrgetter
+from itertools import takewhile
+from operator import attrgetter, itemgetter
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from discovery._records.endpoint import PrefixCachingCoordinatorPolicy
@@ -127,6 +128,7 @@ _SESSION_PERSON = b"discovery/sess"
 _SCORE = attrgetter("_score")
 _LOAD = attrgetter("load")
 _OTHERS = attrgetter("others")
+_RUN = itemgetter(1)
 _KEPT_SETS = 64  # candidate sets a policy keeps what it derived from (a router's pools)
 _KEPT_KEYS = 4096  # rendezvous keys (first blocks, sessions) whose first engine a set keeps
 MAX_MEDIAN_MULTIPLE = 2  # an engine's weight: at most this times its set's median capacity
@@ -718,7 +720,7 @@ def _rendezvous(
         return chosen
     capacity, cap = weights
     scale = _bound_scale(candidates, load_factor, capacity)
-    if chosen.load < scale * (chosen.capacity if cap is None else min(chosen.capacity, cap)):
+    if chosen.load < scale * _weight(chosen, cap):
         return chosen
     # Over its bound: walk on in this key's rendezvous order (rarely taken, so sorted
     # only here). Some candidate is under its bound, so the walk ends in the order.
@@ -1010,6 +1012,18 @@ class KvAwarePolicy(Policy):
             held = () if first is None else holders_of(first)
             fresh = [fresh[i] for i in sorted(places[e] for e in held if e in places)]
             depth = 1
+            chain = hashes.hashes
+            if fresh and len(chain) == len(hashes):
+                # Every hash known (given, or hashed already): each holder's run of the next
+                # blocks in one C loop, not a Python step per block. Stable by run length:
+                # the order (and so the tie-breaking) of the walk below.
+                rest = chain[1:]
+                runs = [
+                    (c, 1 + len(list(takewhile(blocks.__contains__, rest)))) for c, blocks in fresh
+                ]
+                runs.sort(key=_RUN)
+                cached.update(runs)
+                fresh = []
         while fresh:
             block_hash = hashes.get(depth)
             if block_hash is None:
